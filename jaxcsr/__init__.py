@@ -1,0 +1,16 @@
+"""jaxcsr: static scatter-add and segment reductions as planned sparse x dense products.
+
+Example:
+  >>> import numpy as np, jax, jax.numpy as jnp
+  >>> from jaxcsr import CSRMatrix
+  >>> A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0]), num_rows=3)
+  >>> (A @ jnp.ones((5, 2))).tolist()
+  [[2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
+"""
+
+from jaxcsr.matrix import CSRMatrix
+from jaxcsr.ops import IMPLS, matmul
+
+__version__ = "0.1.0"
+
+__all__ = ["IMPLS", "CSRMatrix", "__version__", "matmul"]

@@ -1,0 +1,205 @@
+"""The XLA path: CSR x dense products from XLA operations and jaxlib's own kernels.
+
+No host callbacks. One of four strategies runs, chosen from the static structure
+(:func:`choose_strategy`); all compute ``out[i] = sum_k data[k] * x[indices[k]]``
+over the nonzeros ``k`` of row ``i`` and accumulate in float32 for 16-bit floats.
+
+``"scatter"``
+    Matrices with at most one nonzero per column (``from_indices``): a scatter-add
+    of X's rows to their rows, in input order (``jax.ops.segment_sum``). No gather.
+``"gather"``
+    Matrices with at most one nonzero per row (the transpose of a ``from_indices``
+    matrix): a row gather of X (``x[col]``), zero for empty rows.
+``"csr_kernel"``
+    jaxlib's CPU CSR x dense kernel (the one behind ``jax.experimental.sparse`` BCSR
+    on CPU), which fuses the gather of X's rows with the row reduction. CPU only.
+``"segment"``
+    ``segment_sum(data[:, None] * x[indices], rows, indices_are_sorted=True)``: the
+    portable fallback for general matrices off CPU.
+
+Measured on 2 CPU cores (twitter-ego, 81k rows, 2.7M nonzeros, float32; see
+``benchmarks/``): for unsorted segment ids the scatter beats the CSR kernel at
+every feature width tried (16/64/256); when the ids are already sorted the CSR
+kernel streams X in order and beats both; for general matrices the CSR kernel is
+10x or more faster than the gather + segment_sum idiom because XLA's CPU row
+gather is slow.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+try:  # registers jaxlib's sparse FFI targets (cpu_csr_sparse_dense_ffi)
+    import jax.experimental.sparse._lowerings
+
+    HAS_CPU_CSR_KERNEL = True
+except Exception:  # pragma: no cover - depends on the installed jaxlib
+    HAS_CPU_CSR_KERNEL = False
+
+Strategy = Literal["scatter", "gather", "csr_kernel", "segment"]
+STRATEGIES: tuple[str, ...] = ("scatter", "gather", "csr_kernel", "segment")
+
+_CPU_CSR_KERNEL = "cpu_csr_sparse_dense_ffi"
+# dtypes jaxlib's CPU CSR kernel is instantiated for.
+_CSR_KERNEL_DTYPES = tuple(
+    np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.complex64, np.complex128)
+)
+
+
+class Pattern(NamedTuple):
+    """Device index arrays of a CSR structure and its planned transpose.
+
+    See :class:`jaxcsr.plan.Structure` and :class:`jaxcsr.plan.TransposePlan` for
+    the meaning of each array. ``row_of_col``/``col_of_row`` may be ``None``.
+    """
+
+    indptr: jax.Array
+    indices: jax.Array
+    t_indptr: jax.Array
+    t_indices: jax.Array
+    t_perm: jax.Array
+    t_inverse_perm: jax.Array
+    row_of_col: jax.Array | None
+    col_of_row: jax.Array | None
+
+    def transpose(self) -> Pattern:
+        return Pattern(
+            self.t_indptr,
+            self.t_indices,
+            self.indptr,
+            self.indices,
+            self.t_inverse_perm,
+            self.t_perm,
+            self.col_of_row,
+            self.row_of_col,
+        )
+
+
+def accumulation_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype sums are carried in: float32 for 16-bit floats, int32 for small ints."""
+    dtype = np.dtype(dtype)
+    if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4:
+        return np.dtype(np.float32)
+    if jnp.issubdtype(dtype, jnp.integer) and dtype.itemsize < 4:
+        return np.dtype(np.int32)
+    return dtype
+
+
+def choose_strategy(
+    *,
+    has_row_of_col: bool,
+    has_col_of_row: bool,
+    identity_columns: bool,
+    on_cpu: bool,
+) -> Strategy:
+    """Picks the strategy for a structure (see the module docstring for the data)."""
+    csr_kernel = on_cpu and HAS_CPU_CSR_KERNEL
+    if identity_columns and csr_kernel:
+        return "csr_kernel"
+    if has_row_of_col:
+        return "scatter"
+    if has_col_of_row:
+        return "gather"
+    return "csr_kernel" if csr_kernel else "segment"
+
+
+def row_ids(indptr: jax.Array, nnz: int) -> jax.Array:
+    """Row of every nonzero in CSR order, computed on device from ``indptr``."""
+    m = indptr.shape[0] - 1
+    return jnp.repeat(jnp.arange(m, dtype=indptr.dtype), jnp.diff(indptr), total_repeat_length=nnz)
+
+
+def _data_by_column(data: jax.Array, p: Pattern, nnz: int) -> jax.Array:
+    """For <= 1 nonzero per column: each column's value, 0 for empty columns."""
+    nonempty = jnp.diff(p.t_indptr) > 0
+    pos = p.t_indptr[:-1].clip(max=max(nnz - 1, 0))
+    return jnp.where(nonempty, data[p.t_perm[pos]], 0)
+
+
+def _data_by_row(data: jax.Array, p: Pattern, nnz: int) -> jax.Array:
+    """For <= 1 nonzero per row: each row's value, 0 for empty rows."""
+    nonempty = jnp.diff(p.indptr) > 0
+    pos = p.indptr[:-1].clip(max=max(nnz - 1, 0))
+    return jnp.where(nonempty, data[pos], 0)
+
+
+def spmm(
+    x: jax.Array,
+    data: jax.Array | None,
+    pattern: Pattern,
+    *,
+    shape: tuple[int, int],
+    strategy: Strategy,
+) -> jax.Array:
+    """``A @ x`` for a 2-D ``x`` of shape ``(shape[1], F)``, in the accumulation dtype.
+
+    Args:
+      x: dense operand ``(n, F)``; any numeric dtype.
+      data: ``(nnz,)`` nonzero values in CSR order, or ``None`` for a one-valued
+        matrix (no multiply is done).
+      pattern: the structure's device index arrays.
+      shape: ``(m, n)``.
+      strategy: one of :data:`STRATEGIES`; ``"scatter"`` needs ``row_of_col``,
+        ``"gather"`` needs ``col_of_row``, ``"csr_kernel"`` runs on CPU only.
+
+    Returns:
+      ``(m, F)`` array whose dtype is :func:`accumulation_dtype` of the promoted
+      input dtype; the caller casts it back.
+    """
+    m, _ = shape
+    nnz = pattern.indices.shape[0]
+    out_dtype = x.dtype if data is None else jnp.result_type(data.dtype, x.dtype)
+    acc = accumulation_dtype(out_dtype)
+    f = x.shape[1]
+    if m == 0 or f == 0 or nnz == 0:
+        return jnp.zeros((m, f), acc)
+    x = x.astype(acc)
+    if data is not None:
+        data = data.astype(acc)
+
+    if strategy == "scatter":
+        if pattern.row_of_col is None:
+            raise ValueError("strategy 'scatter' needs a matrix with <= 1 nonzero per column")
+        if data is not None:
+            x = x * _data_by_column(data, pattern, nnz)[:, None]
+        return jax.ops.segment_sum(x, pattern.row_of_col, m, mode="drop")
+    if strategy == "gather":
+        if pattern.col_of_row is None:
+            raise ValueError("strategy 'gather' needs a matrix with <= 1 nonzero per row")
+        out = x.at[pattern.col_of_row].get(mode="fill", fill_value=0)
+        if data is not None:
+            out = out * _data_by_row(data, pattern, nnz)[:, None]
+        return out
+    if strategy == "csr_kernel":
+        if acc not in _CSR_KERNEL_DTYPES:
+            raise ValueError(f"strategy 'csr_kernel' does not support dtype {acc}")
+        values = jnp.ones((nnz,), acc) if data is None else data
+        return jax.ffi.ffi_call(_CPU_CSR_KERNEL, jax.ShapeDtypeStruct((m, f), acc))(
+            values, pattern.indptr, pattern.indices, x
+        )
+    if strategy == "segment":
+        gathered = x[pattern.indices]
+        if data is not None:
+            gathered = gathered * data[:, None]
+        return jax.ops.segment_sum(
+            gathered, row_ids(pattern.indptr, nnz), m, indices_are_sorted=True
+        )
+    raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+
+
+def sddmm(ct: jax.Array, x: jax.Array, pattern: Pattern, *, out_dtype: np.dtype) -> jax.Array:
+    """``(ct @ x.T)`` sampled at the nonzeros: ``sum_f ct[row_k, f] * x[col_k, f]``.
+
+    This is the cotangent of the product with respect to the matrix data.
+    """
+    nnz = pattern.indices.shape[0]
+    if nnz == 0:
+        return jnp.zeros((0,), out_dtype)
+    acc = accumulation_dtype(jnp.result_type(ct.dtype, x.dtype))
+    rows = row_ids(pattern.indptr, nnz)
+    prod = ct[rows].astype(acc) * x[pattern.indices].astype(acc)
+    return jnp.sum(prod, axis=1).astype(out_dtype)
