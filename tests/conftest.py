@@ -1,0 +1,16 @@
+"""Shared fixture: a seeded, fresh random generator per test."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+
+@pytest.fixture
+def rng(request) -> np.random.Generator:
+    """A fresh generator per test; the seed is printed so a failure can be replayed."""
+    seed = int(os.environ.get("JAXCSR_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
+    print(f"[{request.node.name}] JAXCSR_TEST_SEED={seed}")
+    return np.random.default_rng(seed)

@@ -1,0 +1,181 @@
+"""jit / grad / jvp / vmap / scan / linear_transpose through the csr_matmul primitive."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from reference import assert_close, power_law_ids, random_csr, random_values
+
+from jaxcsr import CSRMatrix
+
+
+def _matrices(rng):
+    idx = power_law_ids(rng, 150, 23)
+    yield "segment", CSRMatrix.from_indices(idx, num_rows=23)
+    yield "segment_sorted", CSRMatrix.from_indices(np.sort(idx), num_rows=23)
+    yield "segment_weighted", CSRMatrix.from_indices(idx, 23, data=random_values(rng, (150,)))
+    yield "gather", CSRMatrix.from_indices(idx, 23, data=random_values(rng, (150,))).T
+    yield "general", CSRMatrix.from_scipy(random_csr(rng, 29, 150, "power_law"))
+
+
+KINDS = ["segment", "segment_sorted", "segment_weighted", "gather", "general"]
+
+
+def _matrix(rng, kind):
+    return dict(_matrices(rng))[kind]
+
+
+def _dense(A) -> np.ndarray:
+    return A.to_scipy().toarray().astype(np.float64)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grad_wrt_dense_operand(rng, kind):
+    A = _matrix(rng, kind)
+    x = random_values(rng, (A.shape[1], 4)).astype(np.float32)
+    ct = random_values(rng, (A.shape[0], 4)).astype(np.float32)
+    g = jax.grad(lambda x: jnp.sum((A @ x) * ct))(jnp.asarray(x))
+    assert_close(g, _dense(A).T @ ct.astype(np.float64), np.float32)
+    check_grads(
+        lambda x: A @ x,
+        (jnp.asarray(x),),
+        order=2,
+        modes=("fwd", "rev"),
+        atol=1e-2,
+        rtol=1e-2,
+        eps=1e-2,
+    )
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_grad_wrt_matrix_data(rng, kind):
+    A = _matrix(rng, kind)
+    w = random_values(rng, (A.nnz,)).astype(np.float32)
+    x = random_values(rng, (A.shape[1], 3)).astype(np.float32)
+    ct = random_values(rng, (A.shape[0], 3)).astype(np.float32)
+    g = jax.grad(lambda w: jnp.sum((A.with_data(w) @ x) * ct))(jnp.asarray(w))
+    rows = np.repeat(np.arange(A.shape[0]), np.diff(np.asarray(A.indptr)))
+    cols = np.asarray(A.indices)
+    expected = np.sum(ct[rows].astype(np.float64) * x[cols].astype(np.float64), axis=1)
+    assert_close(g, expected, np.float32)
+    check_grads(
+        lambda w: A.with_data(w) @ x,
+        (jnp.asarray(w),),
+        order=2,
+        modes=("fwd", "rev"),
+        atol=1e-2,
+        rtol=1e-2,
+        eps=1e-2,
+    )
+
+
+def test_grad_through_both_operands_and_jvp(rng):
+    A = _matrix(rng, "general")
+    w = jnp.asarray(random_values(rng, (A.nnz,)), jnp.float32)
+    x = jnp.asarray(random_values(rng, (A.shape[1], 2)), jnp.float32)
+    check_grads(
+        lambda w, x: A.with_data(w) @ x,
+        (w, x),
+        order=1,
+        modes=("fwd", "rev"),
+        atol=1e-2,
+        rtol=1e-2,
+        eps=1e-2,
+    )
+    dw = jnp.asarray(random_values(rng, (A.nnz,)), jnp.float32)
+    dx = jnp.asarray(random_values(rng, x.shape), jnp.float32)
+    _, tangent = jax.jvp(lambda w, x: A.with_data(w) @ x, (w, x), (dw, dx))
+    expected = A.with_data(dw) @ x + A.with_data(w) @ dx
+    assert_close(tangent, np.asarray(expected, np.float64), np.float32)
+
+
+def test_grad_with_16_bit_inputs(rng):
+    A = _matrix(rng, "segment")
+    x = jnp.asarray(random_values(rng, (A.shape[1], 4)), jnp.bfloat16)
+    g = jax.grad(lambda x: jnp.sum(A @ x).astype(jnp.float32))(x)
+    assert g.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(g, np.float32), np.ones(x.shape))
+
+
+def test_linear_transpose(rng):
+    A = _matrix(rng, "general")
+    x = jnp.asarray(random_values(rng, (A.shape[1], 3)), jnp.float32)
+    ct = random_values(rng, (A.shape[0], 3)).astype(np.float32)
+    (xt,) = jax.linear_transpose(lambda x: A @ x, x)(jnp.asarray(ct))
+    assert_close(xt, _dense(A).T @ ct.astype(np.float64), np.float32)
+
+
+@pytest.mark.parametrize("kind", ["segment", "general"])
+def test_vmap_over_dense_operand(rng, kind):
+    A = _matrix(rng, kind)
+    xs = random_values(rng, (3, A.shape[1], 2)).astype(np.float32)
+    out = jax.vmap(lambda v: A @ v)(jnp.asarray(xs))
+    assert_close(out, np.einsum("mn,bnf->bmf", _dense(A), xs.astype(np.float64)), np.float32)
+    out = jax.vmap(lambda v: A @ v, in_axes=2, out_axes=0)(jnp.asarray(xs.transpose(1, 2, 0)))
+    assert_close(out, np.einsum("mn,nfb->bmf", _dense(A), xs.transpose(1, 2, 0)), np.float32)
+
+
+def test_vmap_over_matrix_values_and_grad_of_vmap(rng):
+    A = _matrix(rng, "general")
+    ws = random_values(rng, (3, A.nnz)).astype(np.float32)
+    x = random_values(rng, (A.shape[1], 2)).astype(np.float32)
+    out = jax.vmap(lambda w: A.with_data(w) @ x)(jnp.asarray(ws))
+    for b in range(3):
+        assert_close(out[b], A.with_data(ws[b]).to_scipy() @ x.astype(np.float64), np.float32)
+    g = jax.grad(lambda xs: jnp.sum(jax.vmap(lambda v: A @ v)(xs) ** 2))(jnp.ones((2, *x.shape)))
+    assert g.shape == (2, *x.shape)
+
+
+def test_vmap_over_structure_is_rejected(rng):
+    A = _matrix(rng, "general")
+    stacked = jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), A)
+    with pytest.raises(ValueError, match="structure is static"):
+        jax.vmap(lambda A: A @ jnp.ones(A.shape[1]))(stacked)
+
+
+def test_scan_and_jit(rng):
+    A = _matrix(rng, "segment")
+    B = CSRMatrix.from_scipy(random_csr(rng, A.shape[1], A.shape[0], "uniform"))
+    x0 = random_values(rng, (A.shape[1], 2)).astype(np.float32)
+
+    @jax.jit
+    def run(A, B, x):
+        def step(x, _):
+            x = B @ (A @ x) * 0.1
+            return x, jnp.sum(x)
+
+        return jax.lax.scan(step, x, None, length=3)
+
+    x, _ = run(A, B, jnp.asarray(x0))
+    ref = x0.astype(np.float64)
+    for _ in range(3):
+        ref = (_dense(B) @ (_dense(A) @ ref)) * 0.1
+    assert_close(x, ref, np.float32)
+    g = jax.grad(lambda x: run(A, B, x)[0].sum())(jnp.asarray(x0))
+    assert g.shape == x0.shape and np.all(np.isfinite(np.asarray(g)))
+
+
+def test_jit_compiles_once_for_equal_structures(rng):
+    traces = []
+
+    @jax.jit
+    def loss(params, A, x):
+        traces.append(1)
+        return jnp.sum((A @ (x @ params)) ** 2)
+
+    idx = power_law_ids(rng, 80, 11)
+    A1 = CSRMatrix.from_indices(idx, num_rows=11)
+    A2 = CSRMatrix.from_indices(rng.permutation(idx), num_rows=11)  # other ids, same class
+    params = jnp.asarray(random_values(rng, (4, 3)), jnp.float32)
+    x = jnp.asarray(random_values(rng, (80, 4)), jnp.float32)
+    loss(params, A1, x)
+    loss(params, A2, x)
+    assert len(traces) == 1  # A2 reused A1's trace and executable
+    expected = np.sum(
+        (_dense(A2) @ (np.asarray(x, np.float64) @ np.asarray(params, np.float64))) ** 2
+    )
+    np.testing.assert_allclose(float(loss(params, A2, x)), expected, rtol=1e-4)
+    assert len(traces) == 1

@@ -1,0 +1,202 @@
+"""Products against float64 scipy references: every structure, dtype and XLA strategy."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from reference import assert_close, power_law_ids, random_csr, random_values
+
+import jaxcsr
+from jaxcsr import CSRMatrix
+from jaxcsr.kernels import xla as xla_kernels
+
+DTYPES = [np.float32, jnp.bfloat16, np.float16]
+KINDS = ["uniform", "power_law", "empty_rows", "empty"]
+SHAPES = [(1, 1), (7, 13), (37, 129), (130, 9), (0, 5), (5, 0)]
+
+
+def segment_reference(values: np.ndarray, idx: np.ndarray, m: int) -> np.ndarray:
+    out = np.zeros((m, *values.shape[1:]), np.float64)
+    np.add.at(out, idx, values.astype(np.float64))
+    return out
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("shape", SHAPES)
+def test_scipy_matrix_times_dense(rng, shape, kind, dtype):
+    m, n = shape
+    mat = random_csr(rng, m, n, kind)
+    A = CSRMatrix.from_scipy(mat)
+    x = random_values(rng, (n, 6)).astype(dtype)
+    out = A @ jnp.asarray(x)
+    assert out.dtype == jnp.result_type(A.dtype, dtype) and out.shape == (m, 6)
+    expected = mat.astype(np.float32).astype(np.float64) @ x.astype(np.float64)
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("sorted_ids", [False, True])
+@pytest.mark.parametrize("size,num_rows", [(1, 1), (200, 17), (1000, 130), (0, 4), (9, 0)])
+def test_from_indices_equals_segment_sum(rng, size, num_rows, sorted_ids, dtype):
+    if num_rows == 0 and size:
+        size = 0
+    idx = power_law_ids(rng, size, num_rows) if num_rows else np.zeros(0, int)
+    if sorted_ids:
+        idx = np.sort(idx)
+    A = CSRMatrix.from_indices(idx, num_rows=num_rows)
+    if sorted_ids:
+        assert A.identity_columns  # the streaming CSR-kernel path is exercised
+    values = random_values(rng, (size, 3, 5)).astype(dtype)  # N-D features
+    out = A @ jnp.asarray(values)
+    assert out.dtype == np.dtype(dtype) and out.shape == (num_rows, 3, 5)
+    assert_close(out, segment_reference(values, idx, num_rows), dtype)
+    # jax.ops.segment_sum computes the same function
+    if size:
+        ref = jax.ops.segment_sum(jnp.asarray(values, jnp.float32), idx, num_rows)
+        assert_close(out, ref, dtype)
+
+
+def test_from_indices_with_weights(rng):
+    idx = power_law_ids(rng, 300, 40)
+    w = random_values(rng, (300,)).astype(np.float32)
+    A = CSRMatrix.from_indices(idx, num_rows=40, data=w)
+    np.testing.assert_array_equal(np.asarray(A.data), w[np.asarray(A.input_order)])
+    values = random_values(rng, (300, 4)).astype(np.float32)
+    assert_close(A @ values, segment_reference(values * w[:, None], idx, 40), np.float32)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_last_axis_scatter(rng, dtype):
+    """``values @ A.T`` scatter-adds along the last axis (the seed's layout)."""
+    idx = power_law_ids(rng, 257, 33)
+    A = CSRMatrix.from_indices(idx, num_rows=33)
+    values = random_values(rng, (2, 3, 257)).astype(dtype)
+    out = jnp.asarray(values) @ A.T
+    expected = np.moveaxis(segment_reference(np.moveaxis(values, -1, 0), idx, 33), 0, -1)
+    assert out.shape == (2, 3, 33)
+    assert_close(out, expected, dtype)
+
+
+def test_vector_operand_and_transpose(rng):
+    mat = random_csr(rng, 45, 31, "power_law")
+    A = CSRMatrix.from_scipy(mat)
+    x = random_values(rng, (31,)).astype(np.float32)
+    y = random_values(rng, (45,)).astype(np.float32)
+    assert_close(A @ x, mat @ x.astype(np.float64), np.float32)
+    assert_close(A.T @ y, mat.T @ y.astype(np.float64), np.float32)
+    assert_close(y @ A, y.astype(np.float64) @ mat, np.float32)
+    assert_close(A.T.T @ x, mat @ x.astype(np.float64), np.float32)
+
+
+def test_integer_values(rng):
+    idx = power_law_ids(rng, 500, 20)
+    A = CSRMatrix.from_indices(idx, num_rows=20)
+    values = rng.integers(-50, 50, size=(500, 3)).astype(np.int32)
+    out = A @ jnp.asarray(values)
+    assert out.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(out), segment_reference(values, idx, 20))
+
+
+def test_float64_with_x64(rng):
+    mat = random_csr(rng, 30, 20, "uniform")
+    x = random_values(rng, (20, 3))
+    with jax.enable_x64(True):
+        A = CSRMatrix.from_scipy(mat)
+        assert A.dtype == np.float64
+        out = A @ jnp.asarray(x)
+        assert out.dtype == np.float64
+        assert_close(out, mat @ x, np.float64)
+
+
+def _pattern_case(rng, kind):
+    """A matrix of a structure class plus its float64 scipy twin."""
+    if kind == "segment":
+        idx = power_law_ids(rng, 400, 37)
+        A = CSRMatrix.from_indices(idx, num_rows=37)
+        return A, sp.csr_array((np.ones(400), (idx, np.arange(400))), shape=(37, 400))
+    if kind == "segment_sorted":
+        idx = np.sort(power_law_ids(rng, 400, 37))
+        A = CSRMatrix.from_indices(idx, num_rows=37, data=random_values(rng, (400,)))
+        return A, A.to_scipy().astype(np.float64)
+    if kind == "gather":
+        idx = power_law_ids(rng, 400, 37)
+        A = CSRMatrix.from_indices(idx, num_rows=37, data=random_values(rng, (400,))).T
+        return A, A.to_scipy().astype(np.float64)
+    mat = random_csr(rng, 41, 77, "power_law")
+    A = CSRMatrix.from_scipy(mat)
+    return A, mat
+
+
+# Every structure class with every strategy that applies to it ("scatter" needs <= 1
+# nonzero per column, "gather" <= 1 per row; test_strategy_preconditions covers misuse).
+STRATEGY_CASES = [
+    (kind, strategy)
+    for kind in ("segment", "segment_sorted", "gather", "general")
+    for strategy in xla_kernels.STRATEGIES
+    if not (strategy == "scatter" and kind in ("gather", "general"))
+    and not (strategy == "gather" and kind != "gather")
+]
+
+
+@pytest.mark.parametrize("kind,strategy", STRATEGY_CASES)
+def test_every_strategy_computes_the_same_function(rng, kind, strategy):
+    A, mat = _pattern_case(rng, kind)
+    x = random_values(rng, (A.shape[1], 5)).astype(np.float32)
+    out = jax.jit(lambda x, d, p: xla_kernels.spmm(x, d, p, shape=A.shape, strategy=strategy))(
+        x, A.data, A.pattern
+    )
+    assert_close(out, mat @ x.astype(np.float64), np.float32)
+
+
+def test_strategy_preconditions(rng):
+    A, _ = _pattern_case(rng, "general")
+    x = jnp.ones((A.shape[1], 2))
+    with pytest.raises(ValueError, match="scatter"):
+        xla_kernels.spmm(x, A.data, A.pattern, shape=A.shape, strategy="scatter")
+    with pytest.raises(ValueError, match="gather"):
+        xla_kernels.spmm(x, A.data, A.pattern, shape=A.shape, strategy="gather")
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        xla_kernels.spmm(x, A.data, A.pattern, shape=A.shape, strategy="nope")
+
+
+def test_strategy_choice():
+    choose = xla_kernels.choose_strategy
+    assert (
+        choose(has_row_of_col=True, has_col_of_row=False, identity_columns=False, on_cpu=True)
+        == "scatter"
+    )
+    assert choose(
+        has_row_of_col=True, has_col_of_row=False, identity_columns=True, on_cpu=True
+    ) == ("csr_kernel" if xla_kernels.HAS_CPU_CSR_KERNEL else "scatter")
+    assert (
+        choose(has_row_of_col=False, has_col_of_row=True, identity_columns=False, on_cpu=True)
+        == "gather"
+    )
+    assert (
+        choose(has_row_of_col=False, has_col_of_row=False, identity_columns=False, on_cpu=False)
+        == "segment"
+    )
+
+
+def test_duplicates_in_coo_add_up(rng):
+    row = np.array([0, 2, 0, 2, 2, 1, 0])
+    col = np.array([1, 0, 1, 3, 0, 2, 1])
+    data = random_values(rng, (7,)).astype(np.float32)
+    A = CSRMatrix.from_coo(row, col, data, shape=(4, 5))
+    x = random_values(rng, (5, 3)).astype(np.float32)
+    dense = np.zeros((4, 5))
+    np.add.at(dense, (row, col), data.astype(np.float64))
+    assert_close(A @ x, dense @ x.astype(np.float64), np.float32)
+    assert_close(A.todense(), dense, np.float32)
+    assert_close(A.to_scipy().toarray(), dense, np.float32)
+
+
+def test_matmul_function_matches_operator(rng):
+    A, mat = _pattern_case(rng, "general")
+    x = random_values(rng, (A.shape[1], 2)).astype(np.float32)
+    for impl in (None, "xla"):
+        assert_close(jaxcsr.matmul(A, x, impl=impl), mat @ x.astype(np.float64), np.float32)
