@@ -10,6 +10,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from jaxcsr import plan
+from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.kernels.xla import Pattern
 from jaxcsr.ops import MatmulInfo, matmul
 
@@ -316,7 +317,7 @@ class CSRMatrix:
         m, n = self.shape
         if dtype is None:
             dtype = jnp.float32 if self.data is None else self.data.dtype
-        rows = jnp.repeat(jnp.arange(m), jnp.diff(self.indptr), total_repeat_length=self.nnz)
+        rows = xla_kernels.row_ids(self.pattern)
         values = jnp.ones(self.nnz, dtype) if self.data is None else self.data.astype(dtype)
         return jnp.zeros((m, n), dtype).at[rows, self.indices].add(values)
 

@@ -107,10 +107,14 @@ def choose_strategy(
     return "csr_kernel" if csr_kernel else "segment"
 
 
-def row_ids(indptr: jax.Array, nnz: int) -> jax.Array:
-    """Row of every nonzero in CSR order, computed on device from ``indptr``."""
-    m = indptr.shape[0] - 1
-    return jnp.repeat(jnp.arange(m, dtype=indptr.dtype), jnp.diff(indptr), total_repeat_length=nnz)
+def row_ids(pattern: Pattern) -> jax.Array:
+    """Row of every nonzero in CSR order.
+
+    Read from the planned transpose (whose column indices are A's rows) rather than
+    expanded from ``indptr`` with a cumulative sum, which XLA would constant-fold
+    for seconds when the matrix is a closed-over constant.
+    """
+    return pattern.t_indices[pattern.t_inverse_perm]
 
 
 def _data_by_column(data: jax.Array, p: Pattern, nnz: int) -> jax.Array:
@@ -185,9 +189,7 @@ def spmm(
         gathered = x[pattern.indices]
         if data is not None:
             gathered = gathered * data[:, None]
-        return jax.ops.segment_sum(
-            gathered, row_ids(pattern.indptr, nnz), m, indices_are_sorted=True
-        )
+        return jax.ops.segment_sum(gathered, row_ids(pattern), m, indices_are_sorted=True)
     raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
 
 
@@ -200,6 +202,6 @@ def sddmm(ct: jax.Array, x: jax.Array, pattern: Pattern, *, out_dtype: np.dtype)
     if nnz == 0:
         return jnp.zeros((0,), out_dtype)
     acc = accumulation_dtype(jnp.result_type(ct.dtype, x.dtype))
-    rows = row_ids(pattern.indptr, nnz)
+    rows = row_ids(pattern)
     prod = ct[rows].astype(acc) * x[pattern.indices].astype(acc)
     return jnp.sum(prod, axis=1).astype(out_dtype)

@@ -1,0 +1,1 @@
+"""jaxcsr benchmark suite: ``python -m benchmarks --help``."""

@@ -1,0 +1,200 @@
+"""Run the jaxcsr benchmark: ``python -m benchmarks [options]``.
+
+Times jaxcsr against every available peer in one process on real graphs, checks
+every peer's output against jaxcsr's first, measures the machine's memory
+bandwidth, and writes a table (stdout), ``results.json``, ``results.md`` and
+``speedup.png`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import os
+import platform
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+import scipy
+
+from benchmarks import measure, report, systems
+from benchmarks.datasets import load_graph
+
+DEFAULT_OUT = Path(__file__).parent / "results" / "latest"
+
+
+def _csv(kind):
+    return lambda s: tuple(kind(v) for v in s.split(",") if v)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    p.add_argument(
+        "--graphs",
+        type=_csv(str),
+        default=("tolokers",),
+        help="embedded graph names (tolokers, musae_github, planetoid_pubmed, cora) "
+        "or .npz paths, comma-separated (default: tolokers, the largest embedded)",
+    )
+    p.add_argument("--features", type=_csv(int), default=(16, 64, 256), help="N values")
+    p.add_argument("--dtypes", type=_csv(str), default=("float32", "bfloat16"))
+    p.add_argument("--workloads", type=_csv(str), default=systems.WORKLOADS)
+    p.add_argument(
+        "--peers",
+        type=_csv(str),
+        default=systems.PEERS,
+        help="subset of " + ",".join(systems.PEERS),
+    )
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per system (median)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--quick", action="store_true", help="tiny smoke configuration (cora, N=8, f32, 1 run)"
+    )
+    args = p.parse_args(argv)
+    if args.quick:
+        args.graphs, args.features, args.dtypes, args.repeats = ("cora",), (8,), ("float32",), 1
+    for name, allowed in (("peers", systems.PEERS), ("workloads", systems.WORKLOADS)):
+        bad = set(getattr(args, name)) - set(allowed)
+        if bad:
+            p.error(f"unknown {name}: {sorted(bad)}; choose from {list(allowed)}")
+    bad = set(args.dtypes) - {"float32", "bfloat16"}
+    if bad:
+        p.error(f"unknown dtypes: {sorted(bad)}; choose from float32, bfloat16")
+    if args.repeats < 1:
+        p.error("--repeats must be >= 1")
+    return args
+
+
+def environment() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next(line.split(":", 1)[1].strip() for line in f if line.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        import torch
+
+        torch_version, torch_threads = torch.__version__, torch.get_num_threads()
+    except ImportError:
+        torch_version, torch_threads = "not installed", None
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "jax": jax.__version__,
+        "jax_backend": jax.default_backend(),
+        "numpy": np.__version__,
+        "scipy": scipy.__version__,
+        "torch": torch_version,
+        "torch_threads": torch_threads,
+    }
+
+
+def run_case(case: systems.Case, repeats: int) -> dict[str, Any]:
+    """Times every system of a case; peers are checked against jaxcsr's output first."""
+    results: dict[str, Any] = {}
+    timing, out = measure.time_thunk(case.systems["jaxcsr"], repeats)
+    reference = measure.to_numpy(out)
+    results["jaxcsr"] = vars(timing)
+    tol = measure.TOLERANCE[case.dtype]
+    for name, thunk in case.systems.items():
+        if name == "jaxcsr":
+            continue
+        try:
+            timing, out = measure.time_thunk(thunk, repeats)
+        except Exception as err:  # a peer that cannot run this cell is reported, not fatal
+            results[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
+            continue
+        got = measure.to_numpy(out)
+        got = case.to_reference.get(name, lambda y: y)(got)
+        err = measure.relative_error(got, reference)
+        results[name] = {**vars(timing), "rel_error": err, "mismatch": not err <= tol}
+        del out, got
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = parse_args(argv)
+    env = environment()
+    print(
+        f"jaxcsr benchmark on {env['cpu']} ({env['cpu_count']} cores), jax {env['jax']}, "
+        f"torch {env['torch']}",
+        file=sys.stderr,
+    )
+    print("measuring memory bandwidth ...", file=sys.stderr)
+    bw = measure.memory_bandwidth(64 if args.quick else 512)
+    print(f"  read {bw['read_gbps']:.1f} GB/s, copy {bw['copy_gbps']:.1f} GB/s", file=sys.stderr)
+    rng = np.random.default_rng(args.seed)
+    rows: list[dict[str, Any]] = []
+    per_graph = len(args.features) * len(args.dtypes)
+    passes = {"segment": 2, "last_axis": 2, "spmm": 3}
+    total = len(args.graphs) * per_graph * sum(passes[w] for w in args.workloads)
+    for graph_name in args.graphs:
+        graph = load_graph(graph_name)
+        for dtype in args.dtypes:
+            for n in args.features:
+                cases = systems.build_cases(
+                    graph, n, dtype, peers=args.peers, workloads=args.workloads, rng=rng
+                )
+                for case in cases:
+                    label = (
+                        f"[{len(rows) + 1:>3}/{total}] {graph.name} {case.workload} "
+                        f"{case.pass_} N={n} {dtype}"
+                    )
+                    print(label + " ...", end="", flush=True, file=sys.stderr)
+                    res = run_case(case, args.repeats)
+                    floor_s = case.floor_bytes / (bw["copy_gbps"] * 1e9)
+                    rows.append(
+                        {
+                            "graph": graph.name,
+                            "num_nodes": graph.num_nodes,
+                            "num_edges": graph.num_edges,
+                            "workload": case.workload,
+                            "pass": case.pass_,
+                            "n_features": n,
+                            "dtype": dtype,
+                            "floor_bytes": case.floor_bytes,
+                            "floor_s": floor_s,
+                            "systems": res,
+                        }
+                    )
+                    best = min(
+                        (
+                            r["median_s"]
+                            for k, r in res.items()
+                            if k != "jaxcsr" and "median_s" in r
+                        ),
+                        default=None,
+                    )
+                    msg = f" jaxcsr {res['jaxcsr']['median_s'] * 1e3:.2f} ms"
+                    if best is not None:
+                        msg += f", best peer {best * 1e3:.2f} ms"
+                    print(msg, file=sys.stderr)
+                    del case
+                    gc.collect()
+    shown = ["jaxcsr", *[p for p in systems.PEERS if any(p in r["systems"] for r in rows)]]
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "command": "python -m benchmarks "
+        + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
+        "environment": env,
+        "bandwidth": bw,
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "rows": rows,
+    }
+    print(report.table(rows, shown, markdown=False))
+    paths = report.write_outputs(result, args.out, shown)
+    print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
+    return result
+
+
+if __name__ == "__main__":
+    main()

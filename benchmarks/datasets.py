@@ -1,0 +1,70 @@
+"""Graph loaders (numpy/scipy only, no downloads) for the embedded and shared graphs."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import scipy.sparse as sp
+
+DATA_DIR = Path(__file__).parent / "data"
+EMBEDDED = ("tolokers", "musae_github", "planetoid_pubmed", "cora")
+
+
+@dataclasses.dataclass(frozen=True)
+class Graph:
+    """A directed graph as edge arrays: message ``e`` flows ``src[e] -> dst[e]``."""
+
+    name: str
+    src: np.ndarray
+    dst: np.ndarray
+    num_nodes: int
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.dst.size)
+
+    def adjacency(self) -> sp.csr_array:
+        """``A[dst, src] = 1``: row ``i`` aggregates the messages sent to ``i``."""
+        ones = np.ones(self.num_edges, np.float32)
+        shape = (self.num_nodes, self.num_nodes)
+        return sp.csr_array((ones, (self.dst, self.src)), shape=shape)
+
+    def normalized_adjacency(self) -> sp.csr_array:
+        """GCN's ``D^-1/2 (A + I) D^-1/2`` (float32, CSR, sorted indices)."""
+        a = self.adjacency() + sp.eye_array(self.num_nodes, dtype=np.float32, format="csr")
+        deg = np.asarray(a.sum(axis=1)).ravel()
+        scale = sp.diags_array(1.0 / np.sqrt(deg)).astype(np.float32)
+        out = sp.csr_array(scale @ a @ scale, dtype=np.float32)
+        out.sort_indices()
+        return out
+
+
+def load_graph(name_or_path: str) -> Graph:
+    """Loads an embedded graph by name, or any ``.npz`` by path.
+
+    Two formats are understood: ``edges`` (2, E) + ``num_nodes`` (the shared
+    ``data/`` graphs, and Cora), or a scipy ``save_npz`` CSR adjacency (the shared
+    ``data/matrices`` files), read as edges ``col -> row``.
+    """
+    path = Path(name_or_path)
+    if not path.suffix:
+        path = DATA_DIR / f"{name_or_path}.npz"
+    if not path.exists():
+        raise FileNotFoundError(f"no graph {name_or_path!r}: {path} does not exist")
+    with np.load(path, allow_pickle=False) as f:
+        keys = set(f.files)
+        if "edges" in keys:
+            src, dst = (np.asarray(a, np.int64) for a in f["edges"])
+            if "num_nodes" in keys:
+                n = int(f["num_nodes"])
+            elif "labels" in keys:
+                n = int(f["labels"].shape[0])
+            else:
+                n = int(max(src.max(), dst.max()) + 1)
+            return Graph(path.stem, src, dst, n)
+    mat = sp.load_npz(path).tocoo()
+    if mat.shape[0] != mat.shape[1]:
+        raise ValueError(f"{path} is not a square adjacency matrix: shape {mat.shape}")
+    return Graph(path.stem, mat.col.astype(np.int64), mat.row.astype(np.int64), mat.shape[0])

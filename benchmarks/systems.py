@@ -1,0 +1,270 @@
+"""Workloads and the systems that compute them: jaxcsr and every peer, side by side.
+
+A :class:`Case` is one cell of the result table (graph x workload x pass x N x
+dtype). It holds ready-to-call thunks, one per system, with inputs already on the
+right device/library, plus the byte count of the bandwidth floor for the cell.
+
+Workloads (``E`` edges, ``V`` nodes, ``N`` features):
+
+``segment``   ``A @ messages``, ``A = CSRMatrix.from_indices(dst, V)``, messages
+              ``(E, N)``: GNN aggregation / ``segment_sum``.
+``spmm``      ``Â @ X`` with the GCN-normalised adjacency ``Â`` and ``X (V, N)``: includes
+              the gather of ``X[src]``.
+``last_axis`` ``values @ A.T`` with values ``(N, E)``: scatter-add along the last axis.
+
+Passes: ``fwd``; ``bwd`` (cotangent for the dense operand); ``bwd_data`` (cotangent
+for the matrix values, ``spmm`` only). Backward thunks run only the backward
+computation (``jax.vjp`` under ``jit``; the primal is dead code), and for scipy and
+torch the operation their autograd would run (``A.T @ ct``, ``index_select``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.sparse as sp
+from jax.experimental import sparse as jsparse
+
+from benchmarks.datasets import Graph
+from jaxcsr import CSRMatrix
+
+try:
+    import torch
+except ImportError:  # optional extra
+    torch = None
+
+PEERS = (
+    "segment_sum",
+    "segment_sum_sorted",
+    "bcsr",
+    "bcoo",
+    "scipy",
+    "torch_index_add",
+    "torch_scatter_reduce",
+    "torch_sparse_csr",
+)
+WORKLOADS = ("segment", "spmm", "last_axis")
+INDEX_BYTES = 4
+
+
+@dataclasses.dataclass
+class Case:
+    graph: str
+    workload: str
+    pass_: str
+    n_features: int
+    dtype: str
+    floor_bytes: int
+    systems: dict[str, Callable[[], Any]]
+    # maps a system's output to jaxcsr's layout before the correctness check
+    # (not timed): e.g. pre-sorted inputs give outputs in sorted order.
+    to_reference: dict[str, Callable[[np.ndarray], np.ndarray]] = dataclasses.field(
+        default_factory=dict
+    )
+
+
+def _vjp(f: Callable, primal: Any) -> Callable:
+    """A jitted function of the cotangent that runs only ``f``'s backward pass."""
+    return jax.jit(lambda p, ct: jax.vjp(f, p)[1](ct)[0])
+
+
+def _bind(fn: Callable, *args: Any) -> Callable[[], Any]:
+    return lambda: fn(*args)
+
+
+def _torch_dtype(dtype: np.dtype):
+    return {np.dtype(np.float32): torch.float32, np.dtype(jnp.bfloat16): torch.bfloat16}[
+        np.dtype(dtype)
+    ]
+
+
+def _to_torch(x: Any, dtype: np.dtype):
+    return torch.from_numpy(np.asarray(x, np.float32)).to(_torch_dtype(dtype))
+
+
+def _torch_csr(mat: sp.csr_array, dtype: np.dtype):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "sparse CSR support is in beta"
+        return torch.sparse_csr_tensor(
+            torch.from_numpy(mat.indptr.astype(np.int64)),
+            torch.from_numpy(mat.indices.astype(np.int64)),
+            _to_torch(mat.data, dtype),
+            size=mat.shape,
+            check_invariants=True,
+        )
+
+
+def _jax_sparse(mat: sp.csr_array, dtype: np.dtype):
+    """``jax.experimental.sparse`` BCSR and BCOO twins of ``mat`` with ``dtype`` values."""
+    bcsr = jsparse.BCSR.from_scipy_sparse(mat)
+    bcoo = jsparse.BCOO.from_scipy_sparse(mat)
+    bcsr = jsparse.BCSR((bcsr.data.astype(dtype), bcsr.indices, bcsr.indptr), shape=mat.shape)
+    bcoo = jsparse.BCOO((bcoo.data.astype(dtype), bcoo.indices), shape=mat.shape)
+    return bcsr, bcoo
+
+
+def build_cases(
+    graph: Graph,
+    n_features: int,
+    dtype: Any,
+    *,
+    peers: tuple[str, ...],
+    workloads: tuple[str, ...],
+    rng: np.random.Generator,
+) -> Iterator[Case]:
+    """Yields the cases for one graph, feature width and dtype (inputs built lazily)."""
+    dtype = np.dtype(dtype)
+    b = dtype.itemsize
+    V, E, N = graph.num_nodes, graph.num_edges, n_features
+    use_torch = torch is not None
+    want = set(peers)
+    name = dtype.name
+
+    def case(workload, pass_, floor, systems, to_reference=None):
+        systems = {k: v for k, v in systems.items() if k == "jaxcsr" or k in want}
+        return Case(graph.name, workload, pass_, N, name, floor, systems, to_reference or {})
+
+    dst = jnp.asarray(graph.dst, jnp.int32)
+    order = np.argsort(graph.dst, kind="stable")
+    dst_sorted = jnp.asarray(graph.dst[order], jnp.int32)
+    seg_scipy = sp.csr_array((np.ones(E, np.float32), (graph.dst, np.arange(E))), shape=(V, E))
+    A = CSRMatrix.from_indices(graph.dst, num_rows=V)
+
+    if "segment" in workloads or "last_axis" in workloads:
+        msgs_np = rng.uniform(-1, 1, (E, N)).astype(np.float32)
+        ct_np = rng.uniform(-1, 1, (V, N)).astype(np.float32)
+        msgs = jnp.asarray(msgs_np, dtype)
+        msgs_sorted = msgs[order]
+        ct = jnp.asarray(ct_np, dtype)
+
+    if "segment" in workloads:
+        bcsr, bcoo = _jax_sparse(seg_scipy, dtype)
+        f = {
+            "jaxcsr": lambda m: A @ m,
+            "segment_sum": lambda m: jax.ops.segment_sum(m, dst, V),
+            "bcsr": lambda m: bcsr @ m,
+            "bcoo": lambda m: bcoo @ m,
+        }
+        fsorted = lambda m: jax.ops.segment_sum(m, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
+        fwd = {k: _bind(jax.jit(fn), msgs) for k, fn in f.items()}
+        fwd["segment_sum_sorted"] = _bind(jax.jit(fsorted), msgs_sorted)
+        bwd = {k: _bind(_vjp(fn, msgs), msgs, ct) for k, fn in f.items()}
+        bwd["segment_sum_sorted"] = _bind(_vjp(fsorted, msgs_sorted), msgs_sorted, ct)
+        if dtype == np.float32:
+            seg_t = seg_scipy.T.tocsr()
+            fwd["scipy"] = _bind(seg_scipy.__matmul__, msgs_np)
+            bwd["scipy"] = _bind(seg_t.__matmul__, ct_np)
+        if use_torch:
+            tm, tct = _to_torch(msgs_np, dtype), _to_torch(ct_np, dtype)
+            tdst = torch.from_numpy(graph.dst)
+            tdst_x = tdst[:, None].expand(E, N)
+            tcsr, tcsr_t = _torch_csr(seg_scipy, dtype), _torch_csr(seg_scipy.T.tocsr(), dtype)
+            fwd["torch_index_add"] = lambda: torch.zeros(V, N, dtype=tm.dtype).index_add_(
+                0, tdst, tm
+            )
+            fwd["torch_scatter_reduce"] = lambda: torch.zeros(V, N, dtype=tm.dtype).scatter_reduce_(
+                0, tdst_x, tm, "sum"
+            )
+            fwd["torch_sparse_csr"] = lambda: tcsr @ tm
+            bwd["torch_index_add"] = lambda: tct.index_select(0, tdst)
+            bwd["torch_scatter_reduce"] = lambda: tct.gather(0, tdst_x)
+            bwd["torch_sparse_csr"] = lambda: tcsr_t @ tct
+        io = E * N * b + V * N * b + E * INDEX_BYTES
+        yield case("segment", "fwd", io, fwd)
+        # segment_sum_sorted's backward is in sorted edge order
+        unsort = np.argsort(order)
+        yield case("segment", "bwd", io, bwd, {"segment_sum_sorted": lambda y: y[unsort]})
+
+    if "last_axis" in workloads:
+        vals = msgs.T  # (N, E)
+        vals_np = np.ascontiguousarray(msgs_np.T)
+        ct_t = ct.T
+        vals, ct_t = jnp.asarray(vals), jnp.asarray(ct_t)  # materialise row-major
+        A_T = A.T
+        f = {
+            "jaxcsr": lambda v: v @ A_T,
+            "segment_sum": lambda v: jnp.zeros((N, V), v.dtype).at[:, dst].add(v),
+        }
+        fwd = {k: _bind(jax.jit(fn), vals) for k, fn in f.items()}
+        bwd = {k: _bind(_vjp(fn, vals), vals, ct_t) for k, fn in f.items()}
+        if dtype == np.float32:
+            seg_t = seg_scipy.T.tocsr()
+            fwd["scipy"] = _bind(seg_t.__rmatmul__, vals_np)
+            bwd["scipy"] = _bind(seg_scipy.__rmatmul__, np.ascontiguousarray(ct_np.T))
+        if use_torch:
+            tv, tct = _to_torch(vals_np, dtype), _to_torch(np.ascontiguousarray(ct_np.T), dtype)
+            tdst = torch.from_numpy(graph.dst)
+            fwd["torch_index_add"] = lambda: torch.zeros(N, V, dtype=tv.dtype).index_add_(
+                1, tdst, tv
+            )
+            bwd["torch_index_add"] = lambda: tct.index_select(1, tdst)
+        io = E * N * b + V * N * b + E * INDEX_BYTES
+        yield case("last_axis", "fwd", io, fwd)
+        yield case("last_axis", "bwd", io, bwd)
+
+    if "spmm" in workloads:
+        adj = graph.normalized_adjacency()
+        nnz = adj.nnz
+        B = CSRMatrix.from_scipy(adj)
+        B = B.with_data(B.data.astype(dtype))
+        coo = adj.tocoo()
+        row, col = jnp.asarray(coo.row, jnp.int32), jnp.asarray(coo.col, jnp.int32)
+        # the GNN idiom gathers in edge (input) order; build it from a shuffled COO
+        shuffle = rng.permutation(nnz)
+        row_u, col_u = row[shuffle], col[shuffle]
+        w = jnp.asarray(coo.data, dtype)
+        w_u = w[shuffle]
+        x_np = rng.uniform(-1, 1, (V, N)).astype(np.float32)
+        ct_np = rng.uniform(-1, 1, (V, N)).astype(np.float32)
+        x, ct = jnp.asarray(x_np, dtype), jnp.asarray(ct_np, dtype)
+        bcsr, bcoo = _jax_sparse(adj, dtype)
+        f = {
+            "jaxcsr": lambda x: B @ x,
+            "segment_sum": lambda x: jax.ops.segment_sum(w_u[:, None] * x[col_u], row_u, V),
+            "segment_sum_sorted": lambda x: jax.ops.segment_sum(
+                w[:, None] * x[col], row, V, indices_are_sorted=True
+            ),
+            "bcsr": lambda x: bcsr @ x,
+            "bcoo": lambda x: bcoo @ x,
+        }
+        fwd = {k: _bind(jax.jit(fn), x) for k, fn in f.items()}
+        bwd = {k: _bind(_vjp(fn, x), x, ct) for k, fn in f.items()}
+        if dtype == np.float32:
+            adj_t = adj.T.tocsr()
+            fwd["scipy"] = _bind(adj.__matmul__, x_np)
+            bwd["scipy"] = _bind(adj_t.__matmul__, ct_np)
+        if use_torch:
+            tx, tct = _to_torch(x_np, dtype), _to_torch(ct_np, dtype)
+            tcsr, tcsr_t = _torch_csr(adj, dtype), _torch_csr(adj.T.tocsr(), dtype)
+            trow = torch.from_numpy(coo.row.astype(np.int64)[shuffle])
+            tcol = torch.from_numpy(coo.col.astype(np.int64)[shuffle])
+            tw = _to_torch(coo.data[shuffle], dtype)[:, None]
+            fwd["torch_index_add"] = lambda: torch.zeros(V, N, dtype=tx.dtype).index_add_(
+                0, trow, tw * tx.index_select(0, tcol)
+            )
+            fwd["torch_sparse_csr"] = lambda: tcsr @ tx
+            bwd["torch_index_add"] = lambda: torch.zeros(V, N, dtype=tx.dtype).index_add_(
+                0, tcol, tw * tct.index_select(0, trow)
+            )
+            bwd["torch_sparse_csr"] = lambda: tcsr_t @ tct
+        io = 2 * V * N * b + nnz * (INDEX_BYTES + b) + (V + 1) * INDEX_BYTES
+        yield case("spmm", "fwd", io, fwd)
+        yield case("spmm", "bwd", io, bwd)
+
+        # cotangent for the matrix values (SDDMM); outputs in CSR order
+        data = B.data
+        g = {
+            "jaxcsr": lambda d: B.with_data(d) @ x,
+            "segment_sum_sorted": lambda d: jax.ops.segment_sum(
+                d[:, None] * x[col], row, V, indices_are_sorted=True
+            ),
+        }
+        bwd_data = {k: _bind(_vjp(fn, data), data, ct) for k, fn in g.items()}
+        io = 2 * V * N * b + nnz * (2 * INDEX_BYTES + b)
+        yield case("spmm", "bwd_data", io, bwd_data)
