@@ -1,0 +1,57 @@
+"""The benchmark runs end to end in a tiny configuration, so it cannot rot."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from benchmarks import measure
+from benchmarks.__main__ import main
+from benchmarks.datasets import EMBEDDED, load_graph
+
+
+@pytest.mark.parametrize("name", EMBEDDED)
+def test_embedded_graphs_load(name):
+    g = load_graph(name)
+    assert g.num_edges > 0 and g.src.shape == g.dst.shape
+    assert g.dst.min() >= 0 and max(g.src.max(), g.dst.max()) < g.num_nodes
+    adj = g.normalized_adjacency()
+    assert adj.shape == (g.num_nodes, g.num_nodes) and adj.nnz == g.num_edges + g.num_nodes
+
+
+def test_quick_benchmark_writes_checked_results(tmp_path, capsys):
+    result = main(["--quick", "--out", str(tmp_path)])
+    rows = result["rows"]
+    assert {(r["workload"], r["pass"]) for r in rows} == {
+        ("segment", "fwd"),
+        ("segment", "bwd"),
+        ("last_axis", "fwd"),
+        ("last_axis", "bwd"),
+        ("spmm", "fwd"),
+        ("spmm", "bwd"),
+        ("spmm", "bwd_data"),
+    }
+    for row in rows:
+        assert row["systems"]["jaxcsr"]["median_s"] > 0
+        for name, res in row["systems"].items():
+            if name != "jaxcsr" and "error" not in res:
+                assert not res["mismatch"], (row["workload"], row["pass"], name, res)
+    # at least the always-installed JAX peers ran in every segment-form cell
+    seg = [r for r in rows if r["workload"] == "segment"]
+    assert all(
+        {"segment_sum", "segment_sum_sorted", "bcsr", "bcoo"} <= set(r["systems"]) for r in seg
+    )
+    saved = json.loads((tmp_path / "results.json").read_text())
+    assert saved["bandwidth"]["copy_gbps"] > 0 and len(saved["rows"]) == len(rows)
+    assert "| graph |" in (tmp_path / "results.md").read_text()
+    assert "jaxcsr" in capsys.readouterr().out
+
+
+def test_relative_error_detects_mismatch():
+    rng = np.random.default_rng(1)
+    a = rng.uniform(-1, 1, (5, 3)).astype(np.float32)
+    assert measure.relative_error(a, a) == 0.0
+    assert measure.relative_error(a + 0.1, a) > measure.TOLERANCE["float32"]
+    assert measure.relative_error(a[:4], a) == float("inf")
