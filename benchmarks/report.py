@@ -76,7 +76,7 @@ def write_outputs(result: dict[str, Any], out_dir: Path, systems: list[str]) -> 
         f"numpy {env['numpy']}, scipy {env['scipy']}, torch {env['torch']}.",
         f"Measured bandwidth: read {bw['read_gbps']:.1f} GB/s, copy {bw['copy_gbps']:.1f} GB/s, "
         f"copy into fresh memory {bw['fresh_copy_gbps']:.1f} GB/s (read + write bytes).",
-        f"Command: `{result['command']}`",
+        f"Command: `{result['command']}` (GLIBC_TUNABLES=`{env.get('glibc_tunables', '')}`)",
         "",
         "Times are medians in ms; `(k x)` = jaxcsr is k times faster than that peer; "
         "`floor ms` = floor bytes / copy bandwidth; `x floor` = jaxcsr time / floor; "
