@@ -10,6 +10,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from jaxcsr import plan
+from jaxcsr.kernels import gpu as gpu_kernels
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.kernels.xla import Pattern
 from jaxcsr.ops import MatmulInfo, matmul
@@ -93,7 +94,7 @@ class CSRMatrix:
         shape, identity, t_identity = aux
         return cls(
             data,
-            Pattern(*pattern),
+            pattern,
             shape=shape,
             identity_columns=identity,
             t_identity_columns=t_identity,
@@ -112,6 +113,8 @@ class CSRMatrix:
     ) -> CSRMatrix:
         """Plans a validated host CSR structure and moves it to the device."""
         t = plan.plan_transpose(indptr, indices, shape)
+        items = plan.plan_work_items(indptr, gpu_kernels.CHUNK, gpu_kernels.ITEMS_PER_PROGRAM)
+        t_items = plan.plan_work_items(t.indptr, gpu_kernels.CHUNK, gpu_kernels.ITEMS_PER_PROGRAM)
         s = plan.plan_structure(indptr, indices, shape)
         s_t = plan.plan_structure(t.indptr, t.indices, (shape[1], shape[0]))
 
@@ -125,6 +128,8 @@ class CSRMatrix:
             put(t.indices),
             put(t.perm),
             put(t.inverse_perm),
+            (put(items.row), put(items.start), put(items.end)),
+            (put(t_items.row), put(t_items.start), put(t_items.end)),
             put(s.row_of_col),
             put(s.col_of_row),
         )

@@ -5,7 +5,7 @@ impl -> abstract eval -> JVP -> transpose -> batching -> lowerings.
 
 Operands of the primitive: ``x`` (2-D, ``(n, F)``), then ``data`` when the matrix
 has values, then the index arrays of :class:`~jaxcsr.kernels.xla.Pattern` that are
-present. Static params: ``info`` (:class:`MatmulInfo`) and ``impl``.
+present. Static params: ``info`` (:class:`MatmulInfo`), ``impl`` and ``interpret``.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from jaxcsr.kernels import gpu as gpu_kernels
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.kernels.xla import Pattern
 
@@ -29,7 +30,8 @@ if TYPE_CHECKING:
 __all__ = ["IMPLS", "MatmulInfo", "csr_matmul_p", "matmul"]
 
 IMPLS: tuple[str | None, ...] = (None, "xla", "pallas_gpu", "pallas_tpu")
-_PALLAS_IMPLS = ("pallas_gpu", "pallas_tpu")
+_UNSHIPPED_IMPLS = ("pallas_tpu",)
+_GPU_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,21 +63,19 @@ def _pack(x: jax.Array, data: jax.Array | None, pattern: Pattern) -> list[Any]:
     operands: list[Any] = [x]
     if data is not None:
         operands.append(data)
-    operands.extend(a for a in pattern if a is not None)
+    operands.extend(pattern.flat())
     return operands
 
 
 def _unpack(operands: Any, info: MatmulInfo) -> tuple[Any, Any, Pattern]:
     x, *rest = operands
     data = rest.pop(0) if info.has_data else None
-    fixed, rest = rest[:6], rest[6:]
-    row_of_col = rest.pop(0) if info.has_row_of_col else None
-    col_of_row = rest.pop(0) if info.has_col_of_row else None
-    return x, data, Pattern(*fixed, row_of_col, col_of_row)
+    return x, data, Pattern.unflat(rest, info.has_row_of_col, info.has_col_of_row)
 
 
-def _bind(x, data, pattern: Pattern, info: MatmulInfo, impl: str | None) -> jax.Array:
-    return csr_matmul_p.bind(*_pack(x, data, pattern), info=info, impl=impl)
+def _bind(x, data, pattern: Pattern, info: MatmulInfo, **params) -> jax.Array:
+    """Binds the primitive; ``params`` are the static ``impl`` and ``interpret``."""
+    return csr_matmul_p.bind(*_pack(x, data, pattern), info=info, **params)
 
 
 def _result_dtype(x_dtype: Any, data_dtype: Any | None) -> np.dtype:
@@ -89,7 +89,7 @@ def _check_impl(impl: str | None, interpret: bool) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool, got {interpret!r}")
-    if impl in _PALLAS_IMPLS:
+    if impl in _UNSHIPPED_IMPLS:
         raise NotImplementedError(
             f"impl={impl!r} is not available yet in this version of jaxcsr; "
             "use impl=None or impl='xla'."
@@ -142,7 +142,7 @@ def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = F
         raise ValueError(f"X.shape[0] must equal A.shape[1] = {n}, got X.shape = {X.shape}")
     features = X.shape[1:]
     x2 = X.reshape(n, int(np.prod(features, dtype=np.int64)))
-    out = _bind(x2, A.data, A.pattern, A.matmul_info, impl)
+    out = _bind(x2, A.data, A.pattern, A.matmul_info, impl=impl, interpret=interpret)
     return out.reshape((m, *features))
 
 
@@ -156,43 +156,75 @@ def _strategy_for(info: MatmulInfo, on_cpu: bool) -> str:
     )
 
 
-def _xla_impl(*operands, info: MatmulInfo, impl: str | None, on_cpu: bool) -> jax.Array:
-    del impl
+def _use_gpu_kernel(impl: str | None, platform: str, x_dtype, data_dtype) -> bool:
+    dtypes_ok = np.dtype(x_dtype) in _GPU_KERNEL_DTYPES and (
+        data_dtype is None or np.dtype(data_dtype) in _GPU_KERNEL_DTYPES
+    )
+    if impl == "pallas_gpu":
+        if not dtypes_ok:
+            raise TypeError(
+                f"impl='pallas_gpu' supports float16/bfloat16/float32, got X {x_dtype}"
+                f" and data {data_dtype}"
+            )
+        return True
+    return impl is None and platform == "cuda" and dtypes_ok
+
+
+def _lowered_impl(
+    *operands, info: MatmulInfo, impl: str | None, interpret: bool, platform: str
+) -> jax.Array:
+    """What runs on one platform: the Pallas GPU kernel or an XLA strategy."""
     x, data, pattern = _unpack(operands, info)
-    out = xla_kernels.spmm(x, data, pattern, shape=info.shape, strategy=_strategy_for(info, on_cpu))
-    return out.astype(_result_dtype(x.dtype, None if data is None else data.dtype))
+    data_dtype = None if data is None else data.dtype
+    if _use_gpu_kernel(impl, platform, x.dtype, data_dtype):
+        if platform != "cuda" and not interpret:
+            raise NotImplementedError(
+                f"impl='pallas_gpu' needs a CUDA GPU (platform is {platform!r}); "
+                "pass interpret=True to run it in Pallas interpret mode"
+            )
+        m, n = info.shape
+        if m == 0 or n == 0 or x.shape[1] == 0 or pattern.indices.shape[0] == 0:
+            out = jnp.zeros((m, x.shape[1]), jnp.float32)
+        else:
+            out = gpu_kernels.spmm(
+                x, data, pattern.items, pattern.indices, num_rows=m, interpret=interpret
+            )
+    else:
+        strategy = _strategy_for(info, on_cpu=platform == "cpu")
+        out = xla_kernels.spmm(x, data, pattern, shape=info.shape, strategy=strategy)
+    return out.astype(_result_dtype(x.dtype, data_dtype))
 
 
 @functools.cache
-def _jitted_primitive(info: MatmulInfo, impl: str | None):
-    return jax.jit(functools.partial(csr_matmul_p.bind, info=info, impl=impl))
+def _jitted_primitive(info: MatmulInfo, impl: str | None, interpret: bool):
+    return jax.jit(functools.partial(csr_matmul_p.bind, info=info, impl=impl, interpret=interpret))
 
 
-def _eager_impl(*operands, info: MatmulInfo, impl: str | None) -> jax.Array:
-    return _jitted_primitive(info, impl)(*operands)
+def _eager_impl(*operands, info: MatmulInfo, impl: str | None, interpret: bool) -> jax.Array:
+    return _jitted_primitive(info, impl, interpret)(*operands)
 
 
 csr_matmul_p.def_impl(_eager_impl)
 
 
 @csr_matmul_p.def_abstract_eval
-def _abstract_eval(*operands, info: MatmulInfo, impl: str | None):
-    del impl
+def _abstract_eval(*operands, info: MatmulInfo, **params):
+    del params
     x, data, _ = _unpack(operands, info)
     dtype = _result_dtype(x.dtype, None if data is None else data.dtype)
     return jax.core.ShapedArray((info.shape[0], x.shape[1]), dtype)
 
 
 # ------------------------------------------------------------------------ JVP
-def _jvp(primals, tangents, *, info: MatmulInfo, impl: str | None):
+def _jvp(primals, tangents, *, info: MatmulInfo, **params):
     x, data, pattern = _unpack(primals, info)
     x_dot, data_dot, _ = _unpack(tangents, info)
-    out = _bind(x, data, pattern, info, impl)
+    out = _bind(x, data, pattern, info, **params)
     parts = []
     if type(x_dot) is not ad.Zero:
-        parts.append(_bind(x_dot, data, pattern, info, impl))
+        parts.append(_bind(x_dot, data, pattern, info, **params))
     if data_dot is not None and type(data_dot) is not ad.Zero:
-        parts.append(_bind(x, data_dot, pattern, info, impl))
+        parts.append(_bind(x, data_dot, pattern, info, **params))
     if not parts:
         return out, jnp.zeros_like(out)
     tangent = parts[0] if len(parts) == 1 else parts[0] + parts[1]
@@ -203,9 +235,9 @@ ad.primitive_jvps[csr_matmul_p] = _jvp
 
 
 # ------------------------------------------------------------------ transpose
-def _transpose(ct, *operands, info: MatmulInfo, impl: str | None):
+def _transpose(ct, *operands, info: MatmulInfo, **params):
     x, data, pattern = _unpack(operands, info)
-    if any(ad.is_undefined_primal(a) for a in pattern if a is not None):
+    if any(ad.is_undefined_primal(a) for a in pattern.flat()):
         raise ValueError("csr_matmul is not linear in the matrix's index arrays")
     cts: list[Any] = [None] * len(operands)
     if type(ct) is ad.Zero:
@@ -214,7 +246,7 @@ def _transpose(ct, *operands, info: MatmulInfo, impl: str | None):
         raise ValueError("csr_matmul is bilinear: transpose w.r.t. only one of X, data")
     if ad.is_undefined_primal(x):
         t_data = None if data is None else data[pattern.t_perm]
-        x_ct = _bind(ct, t_data, pattern.transpose(), info.transpose(), impl)
+        x_ct = _bind(ct, t_data, pattern.transpose(), info.transpose(), **params)
         cts[0] = x_ct.astype(x.aval.dtype)
     if data is not None and ad.is_undefined_primal(data):
         cts[1] = xla_kernels.sddmm(ct, x, pattern, out_dtype=data.aval.dtype)
@@ -225,10 +257,10 @@ ad.primitive_transposes[csr_matmul_p] = _transpose
 
 
 # ------------------------------------------------------------------- batching
-def _batch(batched_args, batch_dims, *, info: MatmulInfo, impl: str | None):
+def _batch(batched_args, batch_dims, *, info: MatmulInfo, **params):
     x, data, pattern = _unpack(batched_args, info)
     x_bd, data_bd, pattern_bd = _unpack(batch_dims, info)
-    if any(bd is not None for bd in pattern_bd):
+    if any(bd is not None for bd in pattern_bd.flat()):
         raise ValueError(
             "vmap over the index structure of a CSRMatrix is not supported: the "
             "structure is static. Map over the values (with_data) or the dense operand."
@@ -237,15 +269,15 @@ def _batch(batched_args, batch_dims, *, info: MatmulInfo, impl: str | None):
         # Fold the batch into the feature axis: (n, B, F) -> (n, B * F).
         x3 = jnp.moveaxis(x, x_bd, 1)
         n, b, f = x3.shape
-        out = _bind(x3.reshape(n, b * f), data, pattern, info, impl)
+        out = _bind(x3.reshape(n, b * f), data, pattern, info, **params)
         return out.reshape(info.shape[0], b, f), 1
     # Batched values: one product per set of values.
     data = jnp.moveaxis(data, data_bd, 0)
     if x_bd is None:
-        out = jax.lax.map(lambda d: _bind(x, d, pattern, info, impl), data)
+        out = jax.lax.map(lambda d: _bind(x, d, pattern, info, **params), data)
     else:
         x = jnp.moveaxis(x, x_bd, 0)
-        out = jax.lax.map(lambda dx: _bind(dx[1], dx[0], pattern, info, impl), (data, x))
+        out = jax.lax.map(lambda dx: _bind(dx[1], dx[0], pattern, info, **params), (data, x))
     return out, 0
 
 
@@ -253,12 +285,11 @@ batching.primitive_batchers[csr_matmul_p] = _batch
 
 
 # ------------------------------------------------------------------ lowerings
-mlir.register_lowering(
-    csr_matmul_p,
-    mlir.lower_fun(functools.partial(_xla_impl, on_cpu=False), multiple_results=False),
-)
-mlir.register_lowering(
-    csr_matmul_p,
-    mlir.lower_fun(functools.partial(_xla_impl, on_cpu=True), multiple_results=False),
-    platform="cpu",
-)
+for _platform in ("cpu", "cuda", "rocm", "tpu"):
+    mlir.register_lowering(
+        csr_matmul_p,
+        mlir.lower_fun(
+            functools.partial(_lowered_impl, platform=_platform), multiple_results=False
+        ),
+        platform=_platform,
+    )

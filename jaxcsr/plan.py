@@ -32,6 +32,8 @@ __all__ = [
     "index_dtype_for",
     "plan_structure",
     "plan_transpose",
+    "plan_work_items",
+    "WorkItems",
     "row_ids",
     "segment_ids_to_csr",
 ]
@@ -271,3 +273,47 @@ def plan_structure(indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, in
         col_of_row[row_counts > 0] = indices
     identity = bool(nnz == n and np.array_equal(indices, np.arange(n)))
     return Structure(row_of_col, col_of_row, identity)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkItems:
+    """A load-balanced split of a CSR matrix's nonzeros into bounded work items.
+
+    Item ``t`` reduces nonzeros ``start[t]:end[t]`` (at most ``chunk`` of them), all
+    in row ``row[t]``. A row longer than ``chunk`` is split over several items
+    (their partial sums are combined by atomic adds), so one huge row cannot
+    serialise a kernel; empty rows get no item (the output starts at zero). The
+    item count is padded to a multiple of ``items_per_program`` with empty items.
+    """
+
+    row: np.ndarray
+    start: np.ndarray
+    end: np.ndarray
+    chunk: int
+    items_per_program: int
+
+    @property
+    def num_programs(self) -> int:
+        return self.row.size // self.items_per_program
+
+
+def plan_work_items(indptr: np.ndarray, chunk: int, items_per_program: int) -> WorkItems:
+    """Splits every row into items of at most ``chunk`` nonzeros (host, once)."""
+    if chunk < 1 or items_per_program < 1:
+        raise ValueError(
+            f"chunk and items_per_program must be >= 1, got {chunk}, {items_per_program}"
+        )
+    lengths = np.diff(indptr).astype(np.int64)
+    pieces = -(-lengths // chunk)  # ceil; 0 for empty rows
+    row = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = indptr[:-1].astype(np.int64)[row] + (np.arange(row.size) - first) * chunk
+    end = np.minimum(start + chunk, indptr[1:].astype(np.int64)[row])
+    pad = (-row.size) % items_per_program
+    if row.size == 0:
+        pad = items_per_program
+    itype = indptr.dtype
+    row = np.concatenate([row, np.zeros(pad, np.int64)]).astype(itype)
+    start = np.concatenate([start, np.zeros(pad, np.int64)]).astype(itype)
+    end = np.concatenate([end, np.zeros(pad, np.int64)]).astype(itype)
+    return WorkItems(row, start, end, chunk, items_per_program)

@@ -63,6 +63,8 @@ class Pattern(NamedTuple):
     t_indices: jax.Array
     t_perm: jax.Array
     t_inverse_perm: jax.Array
+    items: tuple[jax.Array, jax.Array, jax.Array]  # WorkItems (row, start, end) of A
+    t_items: tuple[jax.Array, jax.Array, jax.Array]  # ... and of A.T
     row_of_col: jax.Array | None
     col_of_row: jax.Array | None
 
@@ -74,9 +76,24 @@ class Pattern(NamedTuple):
             self.indices,
             self.t_inverse_perm,
             self.t_perm,
+            self.t_items,
+            self.items,
             self.col_of_row,
             self.row_of_col,
         )
+
+    def flat(self) -> list[jax.Array]:
+        """The arrays that are present, in a fixed order (see :meth:`unflat`)."""
+        out = [*self[:6], *self.items, *self.t_items]
+        return out + [a for a in (self.row_of_col, self.col_of_row) if a is not None]
+
+    @classmethod
+    def unflat(cls, arrays, has_row_of_col: bool, has_col_of_row: bool) -> Pattern:
+        arrays = list(arrays)
+        fixed, items, t_items, rest = arrays[:6], arrays[6:9], arrays[9:12], arrays[12:]
+        row_of_col = rest.pop(0) if has_row_of_col else None
+        col_of_row = rest.pop(0) if has_col_of_row else None
+        return cls(*fixed, tuple(items), tuple(t_items), row_of_col, col_of_row)
 
 
 def accumulation_dtype(dtype: np.dtype) -> np.dtype:

@@ -1,0 +1,252 @@
+"""GPU benchmark for the Pallas Triton kernel: ``PYTHONPATH=. python benchmarks/gpu.py``.
+
+Runs from the source tree on a CUDA machine's own python (jax, numpy, scipy,
+torch; nothing to install). In one process it
+
+1. checks ``impl="pallas_gpu"`` against ``impl="xla"`` on fresh random inputs for
+   every graph, workload and dtype (forward and backward);
+2. measures HBM copy bandwidth (``x * 2`` into a donated buffer);
+3. times forward and backward (medians over ``--repeats`` with
+   ``block_until_ready`` / ``torch.cuda.synchronize``) for jaxcsr (Pallas and XLA
+   paths), ``jax.ops.segment_sum`` (unsorted and sorted), BCSR with the cuSPARSE
+   lowering, and torch (``sparse_csr`` mm = cuSPARSE, ``index_add_``);
+4. prints one table with achieved GB/s and % of copy bandwidth and writes
+   ``gpu_results.json`` and ``gpu_results.md`` to ``--out``.
+
+``--smoke`` runs the same code on CPU in Pallas interpret mode on a tiny input (the
+test suite does this so the script cannot rot).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from benchmarks import measure
+from benchmarks.datasets import load_graph
+from jaxcsr import CSRMatrix, matmul
+
+try:
+    import torch
+except ImportError:
+    torch = None
+
+
+def _parse(argv):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--graphs", default="tolokers,musae_github")
+    p.add_argument("--features", default="32,128,512")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu-latest"))
+    p.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny input")
+    args = p.parse_args(argv)
+    args.graphs = args.graphs.split(",")
+    args.features = [int(v) for v in args.features.split(",")]
+    args.dtypes = args.dtypes.split(",")
+    if args.smoke:
+        args.graphs, args.features, args.dtypes, args.repeats = ["cora"], [8], ["float32"], 1
+    return args
+
+
+def _copy_bandwidth(megabytes: int) -> float:
+    n = megabytes * 2**20 // 4
+    f = jax.jit(lambda x: x * 2, donate_argnums=0)
+    buf = [jnp.ones((n,), jnp.float32)]
+
+    def run():
+        buf[0] = f(buf[0])
+        return buf[0]
+
+    timing, _ = measure.time_thunk(run, 10)
+    return 2 * n * 4 / timing.median_s / 1e9
+
+
+def _torch_sync(thunk):
+    def run():
+        out = thunk()
+        torch.cuda.synchronize()
+        return out
+
+    return run
+
+
+def _cases(graph, n, dtype, rng, interpret, use_torch):
+    """Yields (workload, pass, floor_bytes, {system: thunk}) for one cell group."""
+    V, E = graph.num_nodes, graph.num_edges
+    b = np.dtype(dtype).itemsize
+    pallas = {"impl": "pallas_gpu", "interpret": interpret}
+    A = CSRMatrix.from_indices(graph.dst, num_rows=V)
+    dst = jnp.asarray(graph.dst, jnp.int32)
+    order = np.argsort(graph.dst, kind="stable")
+    dst_sorted = dst[order]
+    msgs = jnp.asarray(rng.uniform(-1, 1, (E, n)), dtype)
+    ct = jnp.asarray(rng.uniform(-1, 1, (V, n)), dtype)
+    adj = graph.normalized_adjacency()
+    B = CSRMatrix.from_scipy(adj)
+    B = B.with_data(B.data.astype(dtype))
+    x = jnp.asarray(rng.uniform(-1, 1, (V, n)), dtype)
+    from jax.experimental import sparse as jsparse
+
+    bcsr = jsparse.BCSR.from_scipy_sparse(adj)
+    bcsr = jsparse.BCSR((bcsr.data.astype(dtype), bcsr.indices, bcsr.indptr), shape=adj.shape)
+
+    def vjp(f, p, c):
+        g = jax.jit(lambda p, c: jax.vjp(f, p)[1](c)[0])
+        return lambda: g(p, c)
+
+    def fwd(f, p):
+        g = jax.jit(f)
+        return lambda: g(p)
+
+    seg = {
+        "jaxcsr_pallas": lambda m: matmul(A, m, **pallas),
+        "jaxcsr_xla": lambda m: matmul(A, m, impl="xla"),
+        "segment_sum": lambda m: jax.ops.segment_sum(m, dst, V),
+    }
+    seg_systems_f = {k: fwd(f, msgs) for k, f in seg.items()}
+    seg_systems_b = {k: vjp(f, msgs, ct) for k, f in seg.items()}
+    msgs_sorted = msgs[order]
+    sorted_f = lambda m: jax.ops.segment_sum(m, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
+    seg_systems_f["segment_sum_sorted"] = fwd(sorted_f, msgs_sorted)
+    spmm = {
+        "jaxcsr_pallas": lambda x: matmul(B, x, **pallas),
+        "jaxcsr_xla": lambda x: matmul(B, x, impl="xla"),
+        "bcsr_cusparse": lambda x: bcsr @ x,
+    }
+    spmm_f = {k: fwd(f, x) for k, f in spmm.items()}
+    spmm_b = {k: vjp(f, x, ct) for k, f in spmm.items()}
+    if use_torch:
+        tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[np.dtype(dtype).name]
+        dev = "cuda"
+        tm = torch.tensor(np.asarray(msgs, np.float32), device=dev).to(tdt)
+        tx = torch.tensor(np.asarray(x, np.float32), device=dev).to(tdt)
+        tdst = torch.tensor(graph.dst, device=dev)
+        tcsr = torch.sparse_csr_tensor(
+            torch.tensor(adj.indptr.astype(np.int64), device=dev),
+            torch.tensor(adj.indices.astype(np.int64), device=dev),
+            torch.tensor(adj.data, device=dev).to(tdt),
+            size=adj.shape,
+        )
+        seg_systems_f["torch_index_add"] = _torch_sync(
+            lambda: torch.zeros(V, n, dtype=tdt, device=dev).index_add_(0, tdst, tm)
+        )
+        spmm_f["torch_sparse_csr"] = _torch_sync(lambda: tcsr @ tx)
+    seg_bytes = E * n * b + V * n * b + E * 4
+    spmm_bytes = 2 * V * n * b + adj.nnz * (4 + b) + (V + 1) * 4
+    yield "segment", "fwd", seg_bytes, seg_systems_f
+    yield "segment", "bwd", seg_bytes, seg_systems_b
+    yield "spmm", "fwd", spmm_bytes, spmm_f
+    yield "spmm", "bwd", spmm_bytes, spmm_b
+
+
+def main(argv=None) -> dict:
+    args = _parse(argv)
+    platform = jax.default_backend()
+    if not args.smoke and platform != "gpu":
+        raise SystemExit(f"no GPU: jax backend is {platform!r} (use --smoke on CPU)")
+    interpret = args.smoke
+    use_torch = torch is not None and not args.smoke and torch.cuda.is_available()
+    device = str(jax.devices()[0].device_kind)
+    copy_gbps = _copy_bandwidth(8 if args.smoke else 1024)
+    print(f"{device}: jax {jax.__version__}, HBM copy {copy_gbps:.0f} GB/s", flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for name in args.graphs:
+        graph = load_graph(name)
+        for dtype in args.dtypes:
+            for n in args.features:
+                for workload, pass_, nbytes, systems in _cases(
+                    graph, n, jnp.dtype(dtype), rng, interpret, use_torch
+                ):
+                    results = {}
+                    ref = None
+                    for system, thunk in systems.items():
+                        try:
+                            timing, out = measure.time_thunk(thunk, args.repeats)
+                        except Exception as err:
+                            results[system] = {"error": f"{type(err).__name__}: {err}"[:200]}
+                            continue
+                        got = measure.to_numpy(out)
+                        if ref is None:
+                            ref = got  # jaxcsr_pallas runs first
+                        err = measure.relative_error(got, ref)
+                        results[system] = {
+                            **vars(timing),
+                            "rel_error_vs_pallas": err,
+                            "gbps": nbytes / timing.median_s / 1e9,
+                            "pct_copy_bw": 100 * nbytes / timing.median_s / 1e9 / copy_gbps,
+                        }
+                    xla_err = results.get("jaxcsr_xla", {}).get("rel_error_vs_pallas", 0.0)
+                    if not xla_err <= measure.TOLERANCE[dtype]:
+                        raise SystemExit(
+                            f"pallas kernel disagrees with the XLA path: {name} {workload} "
+                            f"{pass_} N={n} {dtype}: relative error {xla_err:.2e}"
+                        )
+                    row = dict(
+                        graph=graph.name,
+                        workload=workload,
+                        pass_=pass_,
+                        n=n,
+                        dtype=dtype,
+                        floor_bytes=nbytes,
+                        systems=results,
+                    )
+                    rows.append(row)
+                    line = " ".join(
+                        f"{k}={v['median_s'] * 1e3:.3f}ms({v['pct_copy_bw']:.0f}%)"
+                        for k, v in results.items()
+                        if "median_s" in v
+                    )
+                    print(f"{graph.name} {workload} {pass_} N={n} {dtype}: {line}", flush=True)
+    result = {
+        "date": datetime.date.today().isoformat(),
+        "device": device,
+        "jax": jax.__version__,
+        "torch": None if torch is None else torch.__version__,
+        "copy_gbps": copy_gbps,
+        "rows": rows,
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "gpu_results.json").write_text(json.dumps(result, indent=1))
+    systems = sorted({s for r in rows for s in r["systems"]})
+    md = [
+        f"# jaxcsr GPU benchmark ({result['date']}, {device}, jax {jax.__version__})",
+        f"HBM copy bandwidth: {copy_gbps:.0f} GB/s. Cells: ms (% of copy bandwidth).",
+        "",
+        "| graph | workload | pass | N | dtype | " + " | ".join(systems) + " |",
+        "|" + "---|" * (5 + len(systems)),
+    ]
+    for r in rows:
+        cells = []
+        for s in systems:
+            v = r["systems"].get(s)
+            cells.append(
+                "-"
+                if v is None
+                else "error"
+                if "error" in v
+                else f"{v['median_s'] * 1e3:.3f} ({v['pct_copy_bw']:.0f}%)"
+            )
+        md.append(
+            f"| {r['graph']} | {r['workload']} | {r['pass_']} | {r['n']} | {r['dtype']} | "
+            + " | ".join(cells)
+            + " |"
+        )
+    (args.out / "gpu_results.md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+    return result
+
+
+if __name__ == "__main__":
+    jax.config.update("jax_bcoo_cusparse_lowering", True)
+    main()

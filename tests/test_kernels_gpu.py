@@ -1,0 +1,162 @@
+"""The Pallas GPU (Triton) kernel: interpret-mode correctness on CPU, CUDA lowering."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.test_util import check_grads
+from reference import assert_close, power_law_ids, random_csr, random_values
+
+import jaxcsr
+from jaxcsr import CSRMatrix, plan
+from jaxcsr.kernels import gpu
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+def gpu_matmul(A, x):
+    return jaxcsr.matmul(A, x, impl="pallas_gpu", interpret=True)
+
+
+def _dense(A) -> np.ndarray:
+    return A.to_scipy().toarray().astype(np.float64)
+
+
+def _one_heavy_row_ids(rng, size, num_rows):
+    """Most nonzeros in one row (longer than many CHUNKs), a few empty rows."""
+    idx = rng.integers(0, num_rows, size)
+    idx[: size * 3 // 4] = num_rows // 2
+    idx[idx == num_rows - 1] = 0  # the last row stays empty
+    return rng.permutation(idx)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+@pytest.mark.parametrize("n_features", [1, 5, 33])
+def test_segment_sum_with_one_heavy_row(rng, dtype, n_features):
+    idx = _one_heavy_row_ids(rng, 300, 13)
+    assert np.bincount(idx, minlength=13)[6] > 4 * gpu.CHUNK
+    A = CSRMatrix.from_indices(idx, num_rows=13)
+    v = random_values(rng, (300, n_features)).astype(dtype)
+    out = gpu_matmul(A, jnp.asarray(v))
+    assert out.dtype == np.dtype(dtype)
+    expected = np.zeros((13, n_features))
+    np.add.at(expected, idx, v.astype(np.float64))
+    assert_close(out, expected, dtype)
+    assert np.all(np.asarray(out[12], np.float32) == 0)  # empty row
+
+
+@pytest.mark.parametrize("kind", ["power_law", "empty_rows", "empty"])
+def test_general_matrix_with_values(rng, kind):
+    mat = random_csr(rng, 21, 17, kind)
+    A = CSRMatrix.from_scipy(mat)
+    x = random_values(rng, (17, 3, 2)).astype(np.float32)  # N-D features
+    out = gpu_matmul(A, jnp.asarray(x))
+    assert_close(out, np.einsum("mn,nab->mab", mat.toarray(), x.astype(np.float64)), np.float32)
+
+
+def test_matches_xla_path_on_power_law_ids(rng):
+    idx = power_law_ids(rng, 400, 29)
+    w = random_values(rng, (400,)).astype(np.float32)
+    A = CSRMatrix.from_indices(idx, num_rows=29, data=w)
+    v = jnp.asarray(random_values(rng, (400, 7)), jnp.float32)
+    assert_close(gpu_matmul(A, v), np.asarray(jaxcsr.matmul(A, v, impl="xla")), np.float32)
+
+
+def test_grads_through_the_kernel(rng):
+    A = CSRMatrix.from_scipy(random_csr(rng, 11, 9, "power_law"))
+    x = jnp.asarray(random_values(rng, (9, 3)), jnp.float32)
+    ct = random_values(rng, (11, 3)).astype(np.float32)
+    g = jax.grad(lambda x: jnp.sum(gpu_matmul(A, x) * ct))(x)
+    assert_close(g, _dense(A).T @ ct.astype(np.float64), np.float32)
+    check_grads(
+        lambda w, x: gpu_matmul(A.with_data(w), x),
+        (A.data, x),
+        order=1,
+        modes=("fwd", "rev"),
+        atol=1e-2,
+        rtol=1e-2,
+        eps=1e-2,
+    )
+
+
+def test_vmap_and_jit(rng):
+    A = CSRMatrix.from_indices(power_law_ids(rng, 60, 7), num_rows=7)
+    xs = random_values(rng, (2, 60, 3)).astype(np.float32)
+    out = jax.jit(jax.vmap(lambda v: gpu_matmul(A, v)))(jnp.asarray(xs))
+    assert_close(out, np.einsum("mn,bnf->bmf", _dense(A), xs.astype(np.float64)), np.float32)
+
+
+def test_pallas_gpu_without_gpu_or_interpret_is_explained():
+    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2)
+    with pytest.raises(NotImplementedError, match=r"needs a CUDA GPU.*interpret=True"):
+        jaxcsr.matmul(A, jnp.ones((3, 2)), impl="pallas_gpu")
+    with pytest.raises(TypeError, match="pallas_gpu' supports float16/bfloat16/float32"):
+        jaxcsr.matmul(A, jnp.ones((3, 2), jnp.int32), impl="pallas_gpu", interpret=True)
+
+
+def test_work_items_bound_every_loop():
+    indptr = np.array([0, 0, 100, 101, 101, 140], np.int32)
+    items = plan.plan_work_items(indptr, chunk=32, items_per_program=4)
+    lengths = items.end.astype(int) - items.start
+    assert lengths.max() <= 32 and items.row.size % 4 == 0
+    covered = np.zeros(140, int)
+    for r, s, e in zip(items.row, items.start, items.end, strict=True):
+        assert e == s or indptr[r] <= s < e <= indptr[r + 1]
+        covered[s:e] += 1
+    np.testing.assert_array_equal(covered, 1)  # every nonzero exactly once
+    assert set(items.row[lengths > 0]) == {1, 2, 4}  # empty rows get no item
+
+
+def test_tile_table():
+    assert gpu.tile_config(1) == (16, 1)
+    assert gpu.tile_config(33) == (64, 2)
+    assert gpu.tile_config(512) == (128, 4)
+
+
+def _export_cuda(f, *args):
+    """Exports for CUDA without a GPU; newer jax wants an abstract device for that."""
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+    try:
+        return export.export(f, platforms=["cuda"], disabled_checks=checks)(*args)
+    except Exception as err:  # pragma: no cover - depends on the jax version
+        if "device" not in str(err).lower():
+            raise
+        from jax.sharding import AbstractDevice, AbstractMesh  # type: ignore[attr-defined]
+
+        mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("cuda", 1))
+        with jax.sharding.use_abstract_mesh(mesh):
+            return export.export(f, platforms=["cuda"], disabled_checks=checks)(*args)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_triton_for_cuda(dtype):
+    A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0, 4, 4, 4]), num_rows=5)
+    fwd = jax.jit(lambda v: A @ v)  # impl=None picks the kernel on CUDA
+    bwd = jax.jit(jax.grad(lambda v: jnp.sum(A @ v).astype(jnp.float32)))
+    for f in (fwd, bwd):
+        text = _export_cuda(f, jax.ShapeDtypeStruct((8, 20), dtype)).mlir_module()
+        assert TRITON_CALL in set(re.findall(r"custom_call @([\w$.]+)", text))
+    xla_only = jax.jit(lambda v: jaxcsr.matmul(A, v, impl="xla"))
+    text = _export_cuda(xla_only, jax.ShapeDtypeStruct((8, 20), dtype)).mlir_module()
+    assert TRITON_CALL not in text
+
+
+def test_gpu_benchmark_script_smoke(tmp_path):
+    """benchmarks/gpu.py runs end to end (CPU, interpret mode) and checks the kernel."""
+    from benchmarks.gpu import main
+
+    result = main(["--smoke", "--out", str(tmp_path)])
+    assert {(r["workload"], r["pass_"]) for r in result["rows"]} == {
+        ("segment", "fwd"),
+        ("segment", "bwd"),
+        ("spmm", "fwd"),
+        ("spmm", "bwd"),
+    }
+    for row in result["rows"]:
+        assert row["systems"]["jaxcsr_xla"]["rel_error_vs_pallas"] <= 1e-4
+    assert (tmp_path / "gpu_results.md").exists()
