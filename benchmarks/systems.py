@@ -185,7 +185,7 @@ def build_cases(
         vals = msgs.T  # (N, E)
         vals_np = np.ascontiguousarray(msgs_np.T)
         ct_t = ct.T
-        vals, ct_t = jnp.asarray(vals), jnp.asarray(ct_t)  # materialise row-major
+        vals, ct_t = jnp.asarray(vals), jnp.asarray(ct_t)
         A_T = A.T
         f = {
             "jaxcsr": lambda v: v @ A_T,

@@ -18,6 +18,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.extend.core import Primitive
+
+try:  # the public spelling; jax.core's aliases are being retired
+    from jax.core import ShapedArray
+except ImportError:  # pragma: no cover - future jax
+    from jax._src.core import ShapedArray
 from jax.interpreters import ad, batching, mlir
 
 from jaxcsr.kernels import gpu as gpu_kernels
@@ -104,8 +109,10 @@ def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = F
       X: dense array of shape ``(n,)`` or ``(n, *features)``; float16, bfloat16,
         float32, float64 (with x64) or integer. Trailing dimensions are flattened
         into one feature axis internally.
-      impl: ``None`` picks the backend for the platform; ``"xla"`` forces the XLA
-        path; ``"pallas_gpu"`` / ``"pallas_tpu"`` name the Pallas kernels.
+      impl: ``None`` picks the backend for the platform (the Pallas GPU kernel on
+        CUDA for 16/32-bit floats, else XLA); ``"xla"`` forces the XLA path;
+        ``"pallas_gpu"`` forces the Triton kernel (float16/bfloat16/float32 only);
+        ``"pallas_tpu"`` is not shipped yet.
       interpret: run a Pallas impl in Pallas interpret mode (CPU).
 
     Returns:
@@ -114,7 +121,8 @@ def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = F
       16-bit floats are accumulated in float32.
 
     Raises:
-      TypeError: ``X`` is not a numeric array (booleans included).
+      TypeError: ``X`` is not a numeric array (booleans included), or
+        ``impl="pallas_gpu"`` with a dtype the kernel does not support.
       ValueError: ``X`` has rank 0 or ``X.shape[0] != A.shape[1]``; unknown ``impl``.
       NotImplementedError: a Pallas impl that this version does not ship.
 
@@ -137,6 +145,8 @@ def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = F
         raise TypeError(f"X must have a numeric dtype, got {X.dtype}")
     if X.ndim == 0:
         raise ValueError("X must have rank >= 1, got a scalar (shape ())")
+    if impl == "pallas_gpu":  # fail before tracing, naming the dtypes
+        _use_gpu_kernel(impl, "cuda", X.dtype, A.dtype)
     m, n = A.shape
     if X.shape[0] != n:
         raise ValueError(f"X.shape[0] must equal A.shape[1] = {n}, got X.shape = {X.shape}")
@@ -212,7 +222,7 @@ def _abstract_eval(*operands, info: MatmulInfo, **params):
     del params
     x, data, _ = _unpack(operands, info)
     dtype = _result_dtype(x.dtype, None if data is None else data.dtype)
-    return jax.core.ShapedArray((info.shape[0], x.shape[1]), dtype)
+    return ShapedArray((info.shape[0], x.shape[1]), dtype)
 
 
 # ------------------------------------------------------------------------ JVP
