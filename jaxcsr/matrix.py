@@ -11,6 +11,7 @@ import scipy.sparse as sp
 
 from jaxcsr import plan
 from jaxcsr.kernels import gpu as gpu_kernels
+from jaxcsr.kernels import tpu as tpu_kernels
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.kernels.xla import Pattern
 from jaxcsr.ops import MatmulInfo, matmul
@@ -115,6 +116,8 @@ class CSRMatrix:
         t = plan.plan_transpose(indptr, indices, shape)
         items = plan.plan_work_items(indptr, gpu_kernels.CHUNK, gpu_kernels.ITEMS_PER_PROGRAM)
         t_items = plan.plan_work_items(t.indptr, gpu_kernels.CHUNK, gpu_kernels.ITEMS_PER_PROGRAM)
+        tiles = plan.plan_tile_schedule(indptr, tpu_kernels.BLOCK_M, tpu_kernels.BLOCK_K)
+        t_tiles = plan.plan_tile_schedule(t.indptr, tpu_kernels.BLOCK_M, tpu_kernels.BLOCK_K)
         s = plan.plan_structure(indptr, indices, shape)
         s_t = plan.plan_structure(t.indptr, t.indices, (shape[1], shape[0]))
 
@@ -130,6 +133,8 @@ class CSRMatrix:
             put(t.inverse_perm),
             (put(items.row), put(items.start), put(items.end)),
             (put(t_items.row), put(t_items.start), put(t_items.end)),
+            (put(tiles.out_tile), put(tiles.nnz_tile), put(tiles.first)),
+            (put(t_tiles.out_tile), put(t_tiles.nnz_tile), put(t_tiles.first)),
             put(s.row_of_col),
             put(s.col_of_row),
         )

@@ -26,6 +26,7 @@ except ImportError:  # pragma: no cover - future jax
 from jax.interpreters import ad, batching, mlir
 
 from jaxcsr.kernels import gpu as gpu_kernels
+from jaxcsr.kernels import tpu as tpu_kernels
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.kernels.xla import Pattern
 
@@ -35,8 +36,7 @@ if TYPE_CHECKING:
 __all__ = ["IMPLS", "MatmulInfo", "csr_matmul_p", "matmul"]
 
 IMPLS: tuple[str | None, ...] = (None, "xla", "pallas_gpu", "pallas_tpu")
-_UNSHIPPED_IMPLS = ("pallas_tpu",)
-_GPU_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
+_KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,11 +94,6 @@ def _check_impl(impl: str | None, interpret: bool) -> None:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if not isinstance(interpret, bool):
         raise TypeError(f"interpret must be a bool, got {interpret!r}")
-    if impl in _UNSHIPPED_IMPLS:
-        raise NotImplementedError(
-            f"impl={impl!r} is not available yet in this version of jaxcsr; "
-            "use impl=None or impl='xla'."
-        )
 
 
 def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = False) -> jax.Array:
@@ -111,9 +106,10 @@ def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = F
         into one feature axis internally.
       impl: ``None`` picks the backend for the platform (the Pallas GPU kernel on
         CUDA for 16/32-bit floats, else XLA); ``"xla"`` forces the XLA path;
-        ``"pallas_gpu"`` forces the Triton kernel (float16/bfloat16/float32 only);
-        ``"pallas_tpu"`` is not shipped yet.
-      interpret: run a Pallas impl in Pallas interpret mode (CPU).
+        ``"pallas_gpu"`` forces the Triton kernel, ``"pallas_tpu"`` the Mosaic
+        block-sparse kernel (both float16/bfloat16/float32 only). ``None`` picks the
+        TPU kernel on TPU as well.
+      interpret: run a Pallas impl in Pallas interpret mode on CPU.
 
     Returns:
       Array of shape ``(m,)`` or ``(m, *features)``. Its dtype is ``X.dtype`` for a
@@ -124,7 +120,8 @@ def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = F
       TypeError: ``X`` is not a numeric array (booleans included), or
         ``impl="pallas_gpu"`` with a dtype the kernel does not support.
       ValueError: ``X`` has rank 0 or ``X.shape[0] != A.shape[1]``; unknown ``impl``.
-      NotImplementedError: a Pallas impl that this version does not ship.
+      NotImplementedError: (when traced) a Pallas impl on a platform it does not
+        target, without ``interpret=True``.
 
     Example:
       >>> import numpy as np, jax.numpy as jnp
@@ -145,8 +142,8 @@ def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = F
         raise TypeError(f"X must have a numeric dtype, got {X.dtype}")
     if X.ndim == 0:
         raise ValueError("X must have rank >= 1, got a scalar (shape ())")
-    if impl == "pallas_gpu":  # fail before tracing, naming the dtypes
-        _use_gpu_kernel(impl, "cuda", X.dtype, A.dtype)
+    if impl in _KERNEL_PLATFORMS:  # fail before tracing, naming the dtypes
+        _pallas_kernel(impl, _KERNEL_PLATFORMS[impl], X.dtype, A.dtype)
     m, n = A.shape
     if X.shape[0] != n:
         raise ValueError(f"X.shape[0] must equal A.shape[1] = {n}, got X.shape = {X.shape}")
@@ -166,18 +163,24 @@ def _strategy_for(info: MatmulInfo, on_cpu: bool) -> str:
     )
 
 
-def _use_gpu_kernel(impl: str | None, platform: str, x_dtype, data_dtype) -> bool:
-    dtypes_ok = np.dtype(x_dtype) in _GPU_KERNEL_DTYPES and (
-        data_dtype is None or np.dtype(data_dtype) in _GPU_KERNEL_DTYPES
+_KERNEL_PLATFORMS = {"pallas_gpu": "cuda", "pallas_tpu": "tpu"}
+
+
+def _pallas_kernel(impl: str | None, platform: str, x_dtype, data_dtype) -> str | None:
+    """The Pallas impl that runs (``"pallas_gpu"``/``"pallas_tpu"``), or ``None`` for XLA."""
+    dtypes_ok = np.dtype(x_dtype) in _KERNEL_DTYPES and (
+        data_dtype is None or np.dtype(data_dtype) in _KERNEL_DTYPES
     )
-    if impl == "pallas_gpu":
+    if impl in _KERNEL_PLATFORMS:
         if not dtypes_ok:
             raise TypeError(
-                f"impl='pallas_gpu' supports float16/bfloat16/float32, got X {x_dtype}"
+                f"impl={impl!r} supports float16/bfloat16/float32, got X {x_dtype}"
                 f" and data {data_dtype}"
             )
-        return True
-    return impl is None and platform == "cuda" and dtypes_ok
+        return impl
+    if impl is None and dtypes_ok:
+        return {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform)
+    return None
 
 
 def _lowered_impl(
@@ -186,23 +189,45 @@ def _lowered_impl(
     """What runs on one platform: the Pallas GPU kernel or an XLA strategy."""
     x, data, pattern = _unpack(operands, info)
     data_dtype = None if data is None else data.dtype
-    if _use_gpu_kernel(impl, platform, x.dtype, data_dtype):
-        if platform != "cuda" and not interpret:
+    kernel = _pallas_kernel(impl, platform, x.dtype, data_dtype)
+    m, n = info.shape
+    if kernel is not None:
+        if platform != _KERNEL_PLATFORMS[kernel] and not interpret:
             raise NotImplementedError(
-                f"impl='pallas_gpu' needs a CUDA GPU (platform is {platform!r}); "
-                "pass interpret=True to run it in Pallas interpret mode"
+                f"impl={kernel!r} needs platform {_KERNEL_PLATFORMS[kernel]!r} (platform is "
+                f"{platform!r}); pass interpret=True to run it in Pallas interpret mode"
             )
-        m, n = info.shape
         if m == 0 or n == 0 or x.shape[1] == 0 or pattern.indices.shape[0] == 0:
             out = jnp.zeros((m, x.shape[1]), jnp.float32)
-        else:
+        elif kernel == "pallas_gpu":
             out = gpu_kernels.spmm(
                 x, data, pattern.items, pattern.indices, num_rows=m, interpret=interpret
             )
+        else:
+            out = _tpu_spmm(x, data, pattern, m, interpret)
     else:
         strategy = _strategy_for(info, on_cpu=platform == "cpu")
         out = xla_kernels.spmm(x, data, pattern, shape=info.shape, strategy=strategy)
     return out.astype(_result_dtype(x.dtype, data_dtype))
+
+
+def _tpu_spmm(x, data, pattern: Pattern, m: int, interpret: bool) -> jax.Array:
+    """Gathers X's rows into nonzero order (XLA), then the block-sparse MXU kernel."""
+    values = x[pattern.indices]
+    if data is not None:
+        values = data[:, None] * values
+    if values.dtype == np.float16:  # the MXU takes bfloat16 and float32
+        values = values.astype(jnp.float32)
+    return tpu_kernels.spmm(
+        values,
+        xla_kernels.row_ids(pattern),
+        pattern.tiles,
+        num_rows=m,
+        # The TPU interpreter (pltpu.InterpretParams) runs on io_callbacks with ordered
+        # effects, which a primitive's lowering cannot host; the primitive uses the
+        # generic Pallas interpreter and tests run the kernel under both.
+        interpret=interpret,
+    )
 
 
 @functools.cache

@@ -33,6 +33,8 @@ __all__ = [
     "plan_structure",
     "plan_transpose",
     "plan_work_items",
+    "plan_tile_schedule",
+    "TileSchedule",
     "WorkItems",
     "row_ids",
     "segment_ids_to_csr",
@@ -317,3 +319,42 @@ def plan_work_items(indptr: np.ndarray, chunk: int, items_per_program: int) -> W
     start = np.concatenate([start, np.zeros(pad, np.int64)]).astype(itype)
     end = np.concatenate([end, np.zeros(pad, np.int64)]).astype(itype)
     return WorkItems(row, start, end, chunk, items_per_program)
+
+
+@dataclasses.dataclass(frozen=True)
+class TileSchedule:
+    """The (output-row tile, nonzero tile) pairs of the block-sparse TPU product.
+
+    Step ``s`` multiplies nonzero tile ``nnz_tile[s]`` (``block_k`` consecutive
+    nonzeros in CSR order) into output tile ``out_tile[s]`` (``block_m`` rows).
+    Steps of one output tile are consecutive; ``first[s]`` marks the first (the
+    accumulator is zeroed there), and every output tile has at least one step, so
+    tiles without nonzeros are written as zeros.
+    """
+
+    out_tile: np.ndarray
+    nnz_tile: np.ndarray
+    first: np.ndarray
+    block_m: int
+    block_k: int
+
+
+def plan_tile_schedule(indptr: np.ndarray, block_m: int, block_k: int) -> TileSchedule:
+    """Covers each output tile's contiguous nonzero range with nonzero tiles (host)."""
+    m = indptr.size - 1
+    num_out = max(1, -(-m // block_m))
+    bounds = np.minimum(np.arange(num_out + 1) * block_m, m)
+    start, end = indptr[bounds[:-1]].astype(np.int64), indptr[bounds[1:]].astype(np.int64)
+    k0 = start // block_k
+    k1 = np.where(end > start, -(-end // block_k), k0 + 1)  # empty tile: one step
+    counts = k1 - k0
+    out_tile = np.repeat(np.arange(num_out), counts)
+    first_pos = np.cumsum(counts) - counts
+    nnz_tile = k0[out_tile] + np.arange(out_tile.size) - first_pos[out_tile]
+    first = np.zeros(out_tile.size, np.int32)
+    first[first_pos] = 1
+    max_tile = max(0, -(-int(indptr[-1]) // block_k) - 1)
+    nnz_tile = np.minimum(nnz_tile, max_tile)  # an empty matrix still has tile 0
+    return TileSchedule(
+        out_tile.astype(np.int32), nnz_tile.astype(np.int32), first, block_m, block_k
+    )

@@ -60,10 +60,10 @@ def test_matmul_bad_operand():
         A @ A.T
 
 
-@pytest.mark.parametrize("impl", ["pallas_tpu"])
-def test_unshipped_pallas_impl_is_named(impl):
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_pallas_impl_off_its_platform_is_explained(impl):
     A = CSRMatrix.from_indices(np.array([0, 2, 1]), num_rows=3)
-    with pytest.raises(NotImplementedError, match=f"impl='{impl}' is not available"):
+    with pytest.raises(NotImplementedError, match=f"impl='{impl}' needs platform.*interpret=True"):
         jaxcsr.matmul(A, jnp.ones(3), impl=impl)
 
 

@@ -65,6 +65,8 @@ class Pattern(NamedTuple):
     t_inverse_perm: jax.Array
     items: tuple[jax.Array, jax.Array, jax.Array]  # WorkItems (row, start, end) of A
     t_items: tuple[jax.Array, jax.Array, jax.Array]  # ... and of A.T
+    tiles: tuple[jax.Array, jax.Array, jax.Array]  # TileSchedule of A (TPU kernel)
+    t_tiles: tuple[jax.Array, jax.Array, jax.Array]  # ... and of A.T
     row_of_col: jax.Array | None
     col_of_row: jax.Array | None
 
@@ -78,22 +80,25 @@ class Pattern(NamedTuple):
             self.t_perm,
             self.t_items,
             self.items,
+            self.t_tiles,
+            self.tiles,
             self.col_of_row,
             self.row_of_col,
         )
 
     def flat(self) -> list[jax.Array]:
         """The arrays that are present, in a fixed order (see :meth:`unflat`)."""
-        out = [*self[:6], *self.items, *self.t_items]
+        out = [*self[:6], *self.items, *self.t_items, *self.tiles, *self.t_tiles]
         return out + [a for a in (self.row_of_col, self.col_of_row) if a is not None]
 
     @classmethod
     def unflat(cls, arrays, has_row_of_col: bool, has_col_of_row: bool) -> Pattern:
         arrays = list(arrays)
-        fixed, items, t_items, rest = arrays[:6], arrays[6:9], arrays[9:12], arrays[12:]
+        fixed, rest = arrays[:6], arrays[18:]
+        groups = [tuple(arrays[i : i + 3]) for i in range(6, 18, 3)]
         row_of_col = rest.pop(0) if has_row_of_col else None
         col_of_row = rest.pop(0) if has_col_of_row else None
-        return cls(*fixed, tuple(items), tuple(t_items), row_of_col, col_of_row)
+        return cls(*fixed, *groups, row_of_col, col_of_row)
 
 
 def accumulation_dtype(dtype: np.dtype) -> np.dtype:

@@ -1,0 +1,97 @@
+"""Pallas TPU kernel (Mosaic): block-sparse CSR x dense product on the MXU.
+
+TPUs have no fast random scatter, so the product is turned into a short list of dense
+tile products. The host plan (:func:`jaxcsr.plan.plan_tile_schedule`) lists, for each
+output tile of ``BLOCK_M`` rows, the tiles of ``BLOCK_K`` consecutive nonzeros (CSR
+order) that cover its nonzero range. The schedule is scalar-prefetched; BlockSpec index
+maps read it to fetch the row ids and value tile of step ``s`` and to place output tile
+``out_tile[s]``. In the kernel a ``(BLOCK_M, BLOCK_K)`` one-hot tile is built from the
+row ids with an iota compare and ``onehot @ values`` accumulates on the MXU in float32.
+Grid: (feature blocks "parallel", schedule "arbitrary"); steps of one output tile are
+consecutive, the first zeroes the tile, and tiles without nonzeros get one step.
+
+The values are gathered into nonzero order by XLA before the kernel
+(``data[:, None] * x[indices]``; for a ``from_indices`` matrix that is the planned
+permutation): a row gather is what XLA already does well on TPU, and it keeps the
+kernel a pure dense tile loop.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+BLOCK_M = 128
+"""Output rows per tile (a multiple of 8)."""
+BLOCK_K = 128
+"""Nonzeros per tile (a multiple of 128: the row-id block is ``(1, BLOCK_K)``)."""
+
+
+def _kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *, precision):
+    del nnz_tile_ref
+    s = pl.program_id(1)
+
+    @pl.when(first_ref[s] == 1)
+    def _zero():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    local = rows_ref[...] - out_tile_ref[s] * BLOCK_M  # (1, BLOCK_K); padding is < 0
+    iota = lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_K), 0)
+    vals = vals_ref[...]
+    onehot = (iota == local).astype(vals.dtype)
+    o_ref[...] += jnp.dot(onehot, vals, preferred_element_type=jnp.float32, precision=precision)
+
+
+def spmm(
+    values: jax.Array,
+    rows: jax.Array,
+    schedule: tuple[jax.Array, jax.Array, jax.Array],
+    *,
+    num_rows: int,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """``out[rows[k]] += values[k]`` as block-sparse MXU products, in float32.
+
+    Args:
+      values: ``(nnz, F)`` per-nonzero rows (already gathered and weighted), in CSR
+        order; bfloat16 runs natively on the MXU, float32 at HIGHEST precision.
+      rows: ``(nnz,)`` int32 row of every nonzero (non-decreasing).
+      schedule: ``(out_tile, nnz_tile, first)`` from ``plan_tile_schedule``.
+      num_rows: ``m``.
+      interpret: ``True`` or ``pltpu.InterpretParams()`` to run on CPU.
+
+    Returns:
+      ``(m, F)`` float32.
+    """
+    nnz, f = values.shape
+    out_tile, nnz_tile, first = schedule
+    num_k = max(1, pl.cdiv(nnz, BLOCK_K))
+    num_m = max(1, pl.cdiv(num_rows, BLOCK_M))
+    pad = num_k * BLOCK_K - nnz
+    values = jnp.pad(values, ((0, pad), (0, 0)))
+    rows = jnp.pad(rows.astype(jnp.int32), (0, pad), constant_values=-1)[None, :]
+    block_n = 128 if f % 128 == 0 else f
+    precision = lax.Precision.HIGHEST if values.dtype == jnp.float32 else None
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(f // block_n, out_tile.shape[0]),
+        in_specs=[
+            pl.BlockSpec((1, BLOCK_K), lambda j, s, ot, kt, fr: (0, kt[s])),
+            pl.BlockSpec((BLOCK_K, block_n), lambda j, s, ot, kt, fr: (kt[s], j)),
+        ],
+        out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda j, s, ot, kt, fr: (ot[s], j)),
+    )
+    out = pl.pallas_call(
+        functools.partial(_kernel, precision=precision),
+        out_shape=jax.ShapeDtypeStruct((num_m * BLOCK_M, f), jnp.float32),
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        interpret=interpret,
+        name="jaxcsr_block_spmm",
+    )(out_tile, nnz_tile, first, rows, values)
+    return out[:num_rows]

@@ -1,0 +1,135 @@
+"""The Pallas TPU (Mosaic) kernel: TPU-interpreter correctness on CPU, TPU lowering."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from jax.experimental.pallas import tpu as pltpu
+from jax.test_util import check_grads
+from reference import assert_close, power_law_ids, random_csr, random_values
+
+import jaxcsr
+from jaxcsr import CSRMatrix, plan
+from jaxcsr.kernels import tpu
+
+
+def tpu_matmul(A, x):
+    return jaxcsr.matmul(A, x, impl="pallas_tpu", interpret=True)
+
+
+def _dense(A) -> np.ndarray:
+    return A.to_scipy().toarray().astype(np.float64)
+
+
+def _skewed_ids(rng, size, num_rows):
+    """One row holds half the nonzeros; rows past 2 * BLOCK_M are all empty."""
+    idx = rng.integers(0, min(num_rows, 2 * tpu.BLOCK_M), size)
+    idx[: size // 2] = 3
+    return rng.permutation(idx)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n_features", [3, 130])
+def test_segment_sum_skewed_rows_and_empty_tiles(rng, dtype, n_features):
+    num_rows = 3 * tpu.BLOCK_M + 5  # last output tiles have no nonzeros, odd size
+    idx = _skewed_ids(rng, 700, num_rows)
+    A = CSRMatrix.from_indices(idx, num_rows=num_rows)
+    v = random_values(rng, (700, n_features)).astype(dtype)
+    out = tpu_matmul(A, jnp.asarray(v))
+    assert out.dtype == np.dtype(dtype)
+    expected = np.zeros((num_rows, n_features))
+    np.add.at(expected, idx, v.astype(np.float64))
+    assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("dtype,precision", [(jnp.float32, True), (jnp.bfloat16, False)])
+def test_mxu_precision_by_dtype(dtype, precision):
+    """float32 tiles ask the MXU for HIGHEST precision (no bf16 truncation, which the
+    CPU interpreter could not show); bfloat16 runs natively."""
+    schedule = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
+    jaxpr = jax.make_jaxpr(lambda v: tpu.spmm(v, jnp.zeros(4, jnp.int32), schedule, num_rows=4))
+    text = str(jaxpr(jnp.ones((4, 2), dtype)))
+    assert ("precision=(Precision.HIGHEST" in text) == precision
+
+
+def test_float32_values_to_float32_tolerance(rng):
+    idx = power_law_ids(rng, 500, 40)
+    v = (1.0 + rng.uniform(0, 1e-3, (500, 4))).astype(np.float32)  # bf16 would lose these
+    out = tpu_matmul(CSRMatrix.from_indices(idx, num_rows=40), jnp.asarray(v))
+    expected = np.zeros((40, 4))
+    np.add.at(expected, idx, v.astype(np.float64))
+    np.testing.assert_allclose(np.asarray(out), expected, rtol=2e-6)
+
+
+@pytest.mark.parametrize("kind", ["power_law", "empty_rows", "empty"])
+def test_general_matrix_with_values(rng, kind):
+    mat = random_csr(rng, 150, 37, kind)
+    A = CSRMatrix.from_scipy(mat)
+    x = random_values(rng, (37, 2, 3)).astype(np.float32)
+    out = tpu_matmul(A, jnp.asarray(x))
+    assert_close(out, np.einsum("mn,nab->mab", mat.toarray(), x.astype(np.float64)), np.float32)
+
+
+def test_both_interpreters_agree(rng):
+    idx = np.sort(power_law_ids(rng, 300, 20))
+    indptr, _ = plan.segment_ids_to_csr(idx, 20)
+    sched = plan.plan_tile_schedule(indptr, tpu.BLOCK_M, tpu.BLOCK_K)
+    schedule = tuple(jnp.asarray(a) for a in (sched.out_tile, sched.nnz_tile, sched.first))
+    vals = jnp.asarray(random_values(rng, (300, 2)), jnp.float32)
+    a = tpu.spmm(vals, jnp.asarray(idx, jnp.int32), schedule, num_rows=20, interpret=True)
+    b = tpu.spmm(
+        vals,
+        jnp.asarray(idx, jnp.int32),
+        schedule,
+        num_rows=20,
+        interpret=pltpu.InterpretParams(),
+    )
+    expected = np.zeros((20, 2))
+    np.add.at(expected, idx, np.asarray(vals, np.float64))
+    assert_close(a, expected, np.float32)
+    assert_close(b, expected, np.float32)
+
+
+def test_grads_through_the_kernel(rng):
+    A = CSRMatrix.from_scipy(random_csr(rng, 13, 9, "power_law"))
+    x = jnp.asarray(random_values(rng, (9, 3)), jnp.float32)
+    ct = random_values(rng, (13, 3)).astype(np.float32)
+    g = jax.grad(lambda x: jnp.sum(tpu_matmul(A, x) * ct))(x)
+    assert_close(g, _dense(A).T @ ct.astype(np.float64), np.float32)
+    check_grads(
+        lambda w, x: tpu_matmul(A.with_data(w), x),
+        (A.data, x),
+        order=1,
+        modes=("fwd", "rev"),
+        atol=1e-2,
+        rtol=1e-2,
+        eps=1e-2,
+    )
+
+
+def test_schedule_covers_every_output_tile():
+    indptr = np.array([0, 0, 0, 300, 300, 301, 301, 301, 301, 301, 600])
+    s = plan.plan_tile_schedule(indptr, block_m=4, block_k=128)
+    np.testing.assert_array_equal(s.out_tile, [0, 0, 0, 1, 2, 2, 2])
+    np.testing.assert_array_equal(s.nnz_tile, [0, 1, 2, 2, 2, 3, 4])
+    np.testing.assert_array_equal(s.first, [1, 0, 0, 1, 1, 0, 0])
+    empty = plan.plan_tile_schedule(np.zeros(10, np.int64), block_m=4, block_k=128)
+    np.testing.assert_array_equal(empty.out_tile, [0, 1, 2])  # zero tiles still written
+    assert np.all(empty.first == 1)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_lowers_to_mosaic_for_tpu(dtype):
+    A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0, 4, 4, 4]), num_rows=5)
+    for f in (
+        jax.jit(lambda v: A @ v),  # impl=None picks the kernel on TPU
+        jax.jit(jax.grad(lambda v: jnp.sum(A @ v).astype(jnp.float32))),
+    ):
+        text = export.export(f, platforms=["tpu"])(jax.ShapeDtypeStruct((8, 20), dtype))
+        assert "tpu_custom_call" in text.mlir_module()
+    xla_only = jax.jit(lambda v: jaxcsr.matmul(A, v, impl="xla"))
+    text = export.export(xla_only, platforms=["tpu"])(jax.ShapeDtypeStruct((8, 20), dtype))
+    assert "tpu_custom_call" not in text.mlir_module()
