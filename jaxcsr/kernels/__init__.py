@@ -3,5 +3,6 @@
 * :mod:`jaxcsr.kernels.xla` -- pure XLA (and kernels jaxlib already ships); runs on
   every platform and is the default on CPU.
 
-The Pallas GPU (Triton) and TPU (Mosaic) kernels live in their own modules here.
+* :mod:`jaxcsr.kernels.gpu` -- Pallas Triton kernel (load-balanced row work items).
+* :mod:`jaxcsr.kernels.tpu` -- Pallas Mosaic kernel (block-sparse one-hot MXU tiles).
 """
