@@ -179,14 +179,14 @@ def _pallas_kernel(impl: str | None, platform: str, x_dtype, data_dtype) -> str 
             )
         return impl
     if impl is None and dtypes_ok:
-        return {"cuda": "pallas_gpu", "tpu": "pallas_tpu"}.get(platform)
+        return {p: k for k, p in _KERNEL_PLATFORMS.items()}.get(platform)
     return None
 
 
 def _lowered_impl(
     *operands, info: MatmulInfo, impl: str | None, interpret: bool, platform: str
 ) -> jax.Array:
-    """What runs on one platform: the Pallas GPU kernel or an XLA strategy."""
+    """What runs on one platform: a Pallas kernel or an XLA strategy."""
     x, data, pattern = _unpack(operands, info)
     data_dtype = None if data is None else data.dtype
     kernel = _pallas_kernel(impl, platform, x.dtype, data_dtype)

@@ -73,24 +73,27 @@ def test_general_matrix_with_values(rng, kind):
     assert_close(out, np.einsum("mn,nab->mab", mat.toarray(), x.astype(np.float64)), np.float32)
 
 
-def test_both_interpreters_agree(rng):
-    idx = np.sort(power_law_ids(rng, 300, 20))
-    indptr, _ = plan.segment_ids_to_csr(idx, 20)
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("interpret", [True, pltpu.InterpretParams()], ids=["pallas", "tpu"])
+def test_kernel_under_both_interpreters(rng, dtype, interpret):
+    """The kernel itself under the generic and the TPU interpreter (TPU semantics):
+    skewed rows, empty output tiles, rows not a multiple of BLOCK_M, odd features."""
+    num_rows = 2 * tpu.BLOCK_M + 9
+    idx = np.sort(_skewed_ids(rng, 300, num_rows))
+    indptr, _ = plan.segment_ids_to_csr(idx, num_rows)
     sched = plan.plan_tile_schedule(indptr, tpu.BLOCK_M, tpu.BLOCK_K)
     schedule = tuple(jnp.asarray(a) for a in (sched.out_tile, sched.nnz_tile, sched.first))
-    vals = jnp.asarray(random_values(rng, (300, 2)), jnp.float32)
-    a = tpu.spmm(vals, jnp.asarray(idx, jnp.int32), schedule, num_rows=20, interpret=True)
-    b = tpu.spmm(
-        vals,
+    vals = random_values(rng, (300, 3)).astype(dtype)
+    out = tpu.spmm(
+        jnp.asarray(vals),
         jnp.asarray(idx, jnp.int32),
         schedule,
-        num_rows=20,
-        interpret=pltpu.InterpretParams(),
+        num_rows=num_rows,
+        interpret=interpret,
     )
-    expected = np.zeros((20, 2))
-    np.add.at(expected, idx, np.asarray(vals, np.float64))
-    assert_close(a, expected, np.float32)
-    assert_close(b, expected, np.float32)
+    expected = np.zeros((num_rows, 3))
+    np.add.at(expected, idx, vals.astype(np.float64))
+    assert_close(out, expected, dtype)
 
 
 def test_grads_through_the_kernel(rng):
