@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import measure
 from benchmarks.datasets import load_graph
+from benchmarks.systems import jax_sparse_twins
 from jaxcsr import CSRMatrix, matmul
 
 try:
@@ -95,10 +96,8 @@ def _cases(graph, n, dtype, rng, interpret, use_torch):
     B = CSRMatrix.from_scipy(adj)
     B = B.with_data(B.data.astype(dtype))
     x = jnp.asarray(rng.uniform(-1, 1, (V, n)), dtype)
-    from jax.experimental import sparse as jsparse
 
-    bcsr = jsparse.BCSR.from_scipy_sparse(adj)
-    bcsr = jsparse.BCSR((bcsr.data.astype(dtype), bcsr.indices, bcsr.indptr), shape=adj.shape)
+    bcsr, _ = jax_sparse_twins(adj, dtype)
 
     def vjp(f, p, c):
         g = jax.jit(lambda p, c: jax.vjp(f, p)[1](c)[0])

@@ -83,7 +83,7 @@ def to_numpy(out: Any) -> np.ndarray:
         out = out.detach().float().numpy()
     elif hasattr(out, "todense") and not isinstance(out, np.ndarray):
         out = out.todense()
-    return np.asarray(np.asarray(out, dtype=np.float32))
+    return np.asarray(out, dtype=np.float32)
 
 
 TOLERANCE = {"float32": 1e-4, "bfloat16": 3e-2}

@@ -100,7 +100,7 @@ def _torch_csr(mat: sp.csr_array, dtype: np.dtype):
         )
 
 
-def _jax_sparse(mat: sp.csr_array, dtype: np.dtype):
+def jax_sparse_twins(mat: sp.csr_array, dtype: np.dtype):
     """``jax.experimental.sparse`` BCSR and BCOO twins of ``mat`` with ``dtype`` values."""
     bcsr = jsparse.BCSR.from_scipy_sparse(mat)
     bcoo = jsparse.BCOO.from_scipy_sparse(mat)
@@ -134,6 +134,7 @@ def build_cases(
     order = np.argsort(graph.dst, kind="stable")
     dst_sorted = jnp.asarray(graph.dst[order], jnp.int32)
     seg_scipy = sp.csr_array((np.ones(E, np.float32), (graph.dst, np.arange(E))), shape=(V, E))
+    seg_scipy_t = seg_scipy.T.tocsr()
     A = CSRMatrix.from_indices(graph.dst, num_rows=V)
 
     if "segment" in workloads or "last_axis" in workloads:
@@ -144,7 +145,7 @@ def build_cases(
         ct = jnp.asarray(ct_np, dtype)
 
     if "segment" in workloads:
-        bcsr, bcoo = _jax_sparse(seg_scipy, dtype)
+        bcsr, bcoo = jax_sparse_twins(seg_scipy, dtype)
         f = {
             "jaxcsr": lambda m: A @ m,
             "segment_sum": lambda m: jax.ops.segment_sum(m, dst, V),
@@ -157,14 +158,13 @@ def build_cases(
         bwd = {k: _bind(_vjp(fn, msgs), msgs, ct) for k, fn in f.items()}
         bwd["segment_sum_sorted"] = _bind(_vjp(fsorted, msgs_sorted), msgs_sorted, ct)
         if dtype == np.float32:
-            seg_t = seg_scipy.T.tocsr()
             fwd["scipy"] = _bind(seg_scipy.__matmul__, msgs_np)
-            bwd["scipy"] = _bind(seg_t.__matmul__, ct_np)
+            bwd["scipy"] = _bind(seg_scipy_t.__matmul__, ct_np)
         if use_torch:
             tm, tct = _to_torch(msgs_np, dtype), _to_torch(ct_np, dtype)
             tdst = torch.from_numpy(graph.dst)
             tdst_x = tdst[:, None].expand(E, N)
-            tcsr, tcsr_t = _torch_csr(seg_scipy, dtype), _torch_csr(seg_scipy.T.tocsr(), dtype)
+            tcsr, tcsr_t = _torch_csr(seg_scipy, dtype), _torch_csr(seg_scipy_t, dtype)
             fwd["torch_index_add"] = lambda: torch.zeros(V, N, dtype=tm.dtype).index_add_(
                 0, tdst, tm
             )
@@ -194,8 +194,7 @@ def build_cases(
         fwd = {k: _bind(jax.jit(fn), vals) for k, fn in f.items()}
         bwd = {k: _bind(_vjp(fn, vals), vals, ct_t) for k, fn in f.items()}
         if dtype == np.float32:
-            seg_t = seg_scipy.T.tocsr()
-            fwd["scipy"] = _bind(seg_t.__rmatmul__, vals_np)
+            fwd["scipy"] = _bind(seg_scipy_t.__rmatmul__, vals_np)
             bwd["scipy"] = _bind(seg_scipy.__rmatmul__, np.ascontiguousarray(ct_np.T))
         if use_torch:
             tv, tct = _to_torch(vals_np, dtype), _to_torch(np.ascontiguousarray(ct_np.T), dtype)
@@ -223,7 +222,8 @@ def build_cases(
         x_np = rng.uniform(-1, 1, (V, N)).astype(np.float32)
         ct_np = rng.uniform(-1, 1, (V, N)).astype(np.float32)
         x, ct = jnp.asarray(x_np, dtype), jnp.asarray(ct_np, dtype)
-        bcsr, bcoo = _jax_sparse(adj, dtype)
+        bcsr, bcoo = jax_sparse_twins(adj, dtype)
+        adj_t = adj.T.tocsr()
         f = {
             "jaxcsr": lambda x: B @ x,
             "segment_sum": lambda x: jax.ops.segment_sum(w_u[:, None] * x[col_u], row_u, V),
@@ -236,12 +236,11 @@ def build_cases(
         fwd = {k: _bind(jax.jit(fn), x) for k, fn in f.items()}
         bwd = {k: _bind(_vjp(fn, x), x, ct) for k, fn in f.items()}
         if dtype == np.float32:
-            adj_t = adj.T.tocsr()
             fwd["scipy"] = _bind(adj.__matmul__, x_np)
             bwd["scipy"] = _bind(adj_t.__matmul__, ct_np)
         if use_torch:
             tx, tct = _to_torch(x_np, dtype), _to_torch(ct_np, dtype)
-            tcsr, tcsr_t = _torch_csr(adj, dtype), _torch_csr(adj.T.tocsr(), dtype)
+            tcsr, tcsr_t = _torch_csr(adj, dtype), _torch_csr(adj_t, dtype)
             trow = torch.from_numpy(coo.row.astype(np.int64)[shuffle])
             tcol = torch.from_numpy(coo.col.astype(np.int64)[shuffle])
             tw = _to_torch(coo.data[shuffle], dtype)[:, None]

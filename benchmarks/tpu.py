@@ -22,6 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from benchmarks import measure
 from benchmarks.datasets import load_graph
+from benchmarks.systems import jax_sparse_twins
 from jaxcsr import CSRMatrix, matmul
 
 
@@ -61,7 +62,6 @@ def main(argv=None) -> None:
         return
     if jax.default_backend() != "tpu":
         raise SystemExit(f"no TPU: jax backend is {jax.default_backend()!r}")
-    from jax.experimental import sparse as jsparse
 
     g = load_graph(args.graph)
     dtype = jnp.dtype(args.dtype)
@@ -69,8 +69,7 @@ def main(argv=None) -> None:
     adj = g.normalized_adjacency()
     B = CSRMatrix.from_scipy(adj)
     B = B.with_data(B.data.astype(dtype))
-    bcsr = jsparse.BCSR.from_scipy_sparse(adj)
-    bcsr = jsparse.BCSR((bcsr.data.astype(dtype), bcsr.indices, bcsr.indptr), shape=adj.shape)
+    bcsr, _ = jax_sparse_twins(adj, dtype)
     dst = jnp.asarray(g.dst, jnp.int32)
     rng = np.random.default_rng(0)
     for n in (int(v) for v in args.features.split(",")):

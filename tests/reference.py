@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
+from jax.test_util import check_grads
+
+from jaxcsr import CSRMatrix
 
 
 def random_values(rng: np.random.Generator, shape, dtype=np.float32) -> np.ndarray:
@@ -69,3 +74,24 @@ def assert_close(actual, expected, dtype) -> None:
     assert actual.shape == expected.shape, (actual.shape, expected.shape)
     scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
     np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerance(dtype) * scale)
+
+
+def dense_of(A) -> np.ndarray:
+    """A CSRMatrix as a float64 numpy array (through scipy, not through jaxcsr's todense)."""
+    return A.to_scipy().toarray().astype(np.float64)
+
+
+def check_product_grads(f, args, order: int = 1) -> None:
+    """``check_grads`` in fwd and rev modes at the tolerances float32 products need."""
+    check_grads(f, args, order=order, modes=("fwd", "rev"), atol=1e-2, rtol=1e-2, eps=1e-2)
+
+
+def assert_kernel_grads(matmul, rng: np.random.Generator, m: int, n: int) -> None:
+    """Gradients through ``matmul(A, x)`` on a power-law matrix: the X cotangent against
+    the float64 ``A.T @ ct``, and numerical checks w.r.t. both the values and X."""
+    A = CSRMatrix.from_scipy(random_csr(rng, m, n, "power_law"))
+    x = jnp.asarray(random_values(rng, (n, 3)), jnp.float32)
+    ct = random_values(rng, (m, 3)).astype(np.float32)
+    g = jax.grad(lambda x: jnp.sum(matmul(A, x) * ct))(x)
+    assert_close(g, dense_of(A).T @ ct.astype(np.float64), np.float32)
+    check_product_grads(lambda w, x: matmul(A.with_data(w), x), (A.data, x))
