@@ -5,7 +5,15 @@ impl -> abstract eval -> JVP -> transpose -> batching -> lowerings.
 
 Operands of the primitive: ``x`` (2-D, ``(n, F)``), then ``data`` when the matrix
 has values, then the index arrays of :class:`~jaxcsr.kernels.xla.Pattern` that are
-present. Static params: ``info`` (:class:`MatmulInfo`), ``impl`` and ``interpret``.
+present. Static params: ``info`` (:class:`MatmulInfo`), ``reduce`` (``"sum"``,
+``"max"`` or ``"min"``: the semiring; ``"mean"`` is a sum divided outside the
+primitive), ``impl`` and ``interpret``.
+
+The sum is bilinear in ``(X, data)``: its JVP binds the primitive on the tangents and
+its transpose is the product with the planned transpose (and an SDDMM for ``data``).
+Max and min are piecewise linear: their JVP gathers the tangents at the entry that
+attains each output (:func:`jaxcsr.kernels.xla.extreme_positions`), which JAX
+transposes into a scatter-add, so the gradient reaches the arg positions only.
 """
 
 from __future__ import annotations
@@ -33,9 +41,10 @@ from jaxcsr.kernels.xla import Pattern
 if TYPE_CHECKING:
     from jaxcsr.matrix import CSRMatrix
 
-__all__ = ["IMPLS", "MatmulInfo", "csr_matmul_p", "matmul"]
+__all__ = ["IMPLS", "REDUCTIONS", "MatmulInfo", "csr_matmul_p", "matmul"]
 
 IMPLS: tuple[str | None, ...] = (None, "xla", "pallas_gpu", "pallas_tpu")
+REDUCTIONS: tuple[str, ...] = ("sum", "mean", "max", "min")
 _KERNEL_DTYPES = (np.dtype(np.float32), np.dtype(np.float16), np.dtype(jnp.bfloat16))
 
 
@@ -79,7 +88,7 @@ def _unpack(operands: Any, info: MatmulInfo) -> tuple[Any, Any, Pattern]:
 
 
 def _bind(x, data, pattern: Pattern, info: MatmulInfo, **params) -> jax.Array:
-    """Binds the primitive; ``params`` are the static ``impl`` and ``interpret``."""
+    """Binds the primitive; ``params`` are the static ``reduce``, ``impl``, ``interpret``."""
     return csr_matmul_p.bind(*_pack(x, data, pattern), info=info, **params)
 
 
@@ -96,45 +105,71 @@ def _check_impl(impl: str | None, interpret: bool) -> None:
         raise TypeError(f"interpret must be a bool, got {interpret!r}")
 
 
-def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = False) -> jax.Array:
-    """Sparse x dense product ``A @ X``.
+def matmul(
+    A: CSRMatrix,
+    X: Any,
+    *,
+    reduce: str = "sum",
+    return_arg: bool = False,
+    impl: str | None = None,
+    interpret: bool = False,
+) -> Any:
+    """Sparse x dense product ``A @ X``, or its max/min/mean semiring variant.
+
+    ``out[i] = reduce_k data[k] * X[indices[k]]`` over the stored entries ``k`` of row
+    ``i`` (duplicate entries count separately; a one-valued matrix has no multiply).
 
     Args:
       A: a :class:`~jaxcsr.CSRMatrix` of shape ``(m, n)``.
       X: dense array of shape ``(n,)`` or ``(n, *features)``; float16, bfloat16,
         float32, float64 (with x64) or integer. Trailing dimensions are flattened
         into one feature axis internally.
+      reduce: ``"sum"`` (the matrix product), ``"mean"`` (the sum divided by the
+        row's number of stored entries; floor division for integers, as
+        torch_scatter), ``"max"`` or ``"min"``. Empty rows give 0 for every reduce
+        (torch_scatter's convention; ``jax.ops.segment_max`` gives ``-inf``). NaN
+        propagates into every reduce.
+      return_arg: with ``reduce="max"``/``"min"``, also return the column index
+        attaining each output element (ties: the first stored entry of the row,
+        i.e. the smallest column); empty rows get the sentinel ``n = A.shape[1]``.
       impl: ``None`` picks the backend for the platform (the Pallas GPU kernel on
         CUDA for 16/32-bit floats, else XLA); ``"xla"`` forces the XLA path;
         ``"pallas_gpu"`` forces the Triton kernel, ``"pallas_tpu"`` the Mosaic
         block-sparse kernel (both float16/bfloat16/float32 only). ``None`` picks the
-        TPU kernel on TPU as well.
+        TPU kernel on TPU as well. Every reduce runs on every impl.
       interpret: run a Pallas impl in Pallas interpret mode on CPU.
 
     Returns:
-      Array of shape ``(m,)`` or ``(m, *features)``. Its dtype is ``X.dtype`` for a
+      Array of shape ``(m,)`` or ``(m, *features)``, or ``(out, arg)`` with
+      ``return_arg=True`` (``arg`` int32, same shape). The dtype is ``X.dtype`` for a
       one-valued matrix, else the promotion of ``A.dtype`` and ``X.dtype``. Sums of
-      16-bit floats are accumulated in float32.
+      16-bit floats are accumulated in float32. Gradients: exact for ``mean``; for
+      ``max``/``min`` they flow to the attaining entry only (the tie choice above).
 
     Raises:
-      TypeError: ``X`` is not a numeric array (booleans included), or
-        ``impl="pallas_gpu"`` with a dtype the kernel does not support.
-      ValueError: ``X`` has rank 0 or ``X.shape[0] != A.shape[1]``; unknown ``impl``.
+      TypeError: ``X`` is not a numeric array (booleans included), complex ``X`` with
+        ``reduce="max"``/``"min"``, or ``impl="pallas_gpu"``/``"pallas_tpu"`` with a
+        dtype the kernel does not support.
+      ValueError: ``X`` has rank 0 or ``X.shape[0] != A.shape[1]``; unknown ``impl``
+        or ``reduce``; ``return_arg`` with a reduce other than max/min.
       NotImplementedError: (when traced) a Pallas impl on a platform it does not
         target, without ``interpret=True``.
 
     Example:
       >>> import numpy as np, jax.numpy as jnp
       >>> from jaxcsr import CSRMatrix, matmul
-      >>> A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0]), num_rows=3)
+      >>> A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0]), num_rows=4)
       >>> matmul(A, jnp.arange(5.0))
-      Array([4., 3., 3.], dtype=float32)
+      Array([4., 3., 3., 0.], dtype=float32)
+      >>> matmul(A, jnp.arange(5.0), reduce="max", return_arg=True)
+      (Array([4., 3., 2., 0.], dtype=float32), Array([4, 3, 2, 5], dtype=int32))
     """
     from jaxcsr.matrix import CSRMatrix
 
     if not isinstance(A, CSRMatrix):
         raise TypeError(f"A must be a jaxcsr.CSRMatrix, got {type(A).__name__}")
     _check_impl(impl, interpret)
+    _check_reduce(reduce, return_arg)
     if isinstance(X, CSRMatrix):
         raise TypeError("X must be a dense array; sparse @ sparse is not supported")
     X = jnp.asarray(X)
@@ -142,6 +177,11 @@ def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = F
         raise TypeError(f"X must have a numeric dtype, got {X.dtype}")
     if X.ndim == 0:
         raise ValueError("X must have rank >= 1, got a scalar (shape ())")
+    if reduce in xla_kernels.EXTREMES and (
+        jnp.issubdtype(X.dtype, jnp.complexfloating)
+        or (A.dtype is not None and jnp.issubdtype(A.dtype, jnp.complexfloating))
+    ):
+        raise TypeError(f"reduce={reduce!r} needs real dtypes, got X {X.dtype}, A {A.dtype}")
     if impl in _KERNEL_PLATFORMS:  # fail before tracing, naming the dtypes
         _pallas_kernel(impl, _KERNEL_PLATFORMS[impl], X.dtype, A.dtype)
     m, n = A.shape
@@ -149,8 +189,41 @@ def matmul(A: CSRMatrix, X: Any, *, impl: str | None = None, interpret: bool = F
         raise ValueError(f"X.shape[0] must equal A.shape[1] = {n}, got X.shape = {X.shape}")
     features = X.shape[1:]
     x2 = X.reshape(n, int(np.prod(features, dtype=np.int64)))
-    out = _bind(x2, A.data, A.pattern, A.matmul_info, impl=impl, interpret=interpret)
-    return out.reshape((m, *features))
+    semiring = "sum" if reduce == "mean" else reduce
+    params = dict(reduce=semiring, impl=impl, interpret=interpret)
+    out = _bind(x2, A.data, A.pattern, A.matmul_info, **params)
+    if reduce == "mean":
+        out = _divide_by_degree(out, A.pattern)
+    if not return_arg:
+        return out.reshape((m, *features))
+    arg = _arg_columns(x2, A.data, A.pattern, out, n)
+    return out.reshape((m, *features)), arg.reshape((m, *features))
+
+
+def _check_reduce(reduce: str, return_arg: bool) -> None:
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    if not isinstance(return_arg, bool):
+        raise TypeError(f"return_arg must be a bool, got {return_arg!r}")
+    if return_arg and reduce not in xla_kernels.EXTREMES:
+        raise ValueError(f"return_arg=True needs reduce='max' or 'min', got {reduce!r}")
+
+
+def _divide_by_degree(total: jax.Array, pattern: Pattern) -> jax.Array:
+    """Row sums -> row means; empty rows stay 0. Integers use floor division."""
+    degree = jnp.maximum(xla_kernels.row_degrees(pattern), 1)[:, None]
+    if jnp.issubdtype(total.dtype, jnp.integer):
+        return jnp.floor_divide(total, degree.astype(total.dtype))
+    acc = xla_kernels.accumulation_dtype(total.dtype)
+    return (total.astype(acc) / degree.astype(acc)).astype(total.dtype)
+
+
+def _arg_columns(x, data, pattern: Pattern, out: jax.Array, n: int) -> jax.Array:
+    """Column attaining each max/min (``n`` for empty rows); not differentiable."""
+    x, data, out = jax.lax.stop_gradient((x, data, out))
+    position = xla_kernels.extreme_positions(x, data, pattern, out)
+    columns = jnp.append(pattern.indices.astype(jnp.int32), jnp.int32(n))
+    return columns[position]
 
 
 # ---------------------------------------------------------------- impl / eval
@@ -184,7 +257,7 @@ def _pallas_kernel(impl: str | None, platform: str, x_dtype, data_dtype) -> str 
 
 
 def _lowered_impl(
-    *operands, info: MatmulInfo, impl: str | None, interpret: bool, platform: str
+    *operands, info: MatmulInfo, reduce: str, impl: str | None, interpret: bool, platform: str
 ) -> jax.Array:
     """What runs on one platform: a Pallas kernel or an XLA strategy."""
     x, data, pattern = _unpack(operands, info)
@@ -201,21 +274,32 @@ def _lowered_impl(
             out = jnp.zeros((m, x.shape[1]), jnp.float32)
         elif kernel == "pallas_gpu":
             out = gpu_kernels.spmm(
-                x, data, pattern.items, pattern.indices, num_rows=m, interpret=interpret
+                x,
+                data,
+                pattern.items,
+                pattern.indices,
+                num_rows=m,
+                reduce=reduce,
+                interpret=interpret,
             )
         else:
-            out = _tpu_spmm(x, data, pattern, m, interpret)
-    else:
+            out = _tpu_spmm(x, data, pattern, m, reduce, interpret)
+        if reduce != "sum":  # the kernels leave -inf/+inf in empty rows
+            out = jnp.where(xla_kernels.row_degrees(pattern)[:, None] > 0, out, 0)
+    elif reduce == "sum":
         strategy = _strategy_for(info, on_cpu=platform == "cpu")
         out = xla_kernels.spmm(x, data, pattern, shape=info.shape, strategy=strategy)
+    else:
+        strategy = _strategy_for(info, on_cpu=platform == "cpu")
+        out = xla_kernels.spmm_extreme(
+            x, data, pattern, shape=info.shape, strategy=strategy, reduce=reduce
+        )
     return out.astype(_result_dtype(x.dtype, data_dtype))
 
 
-def _tpu_spmm(x, data, pattern: Pattern, m: int, interpret: bool) -> jax.Array:
-    """Gathers X's rows into nonzero order (XLA), then the block-sparse MXU kernel."""
-    values = x[pattern.indices]
-    if data is not None:
-        values = data[:, None] * values
+def _tpu_spmm(x, data, pattern: Pattern, m: int, reduce: str, interpret: bool) -> jax.Array:
+    """Gathers X's rows into nonzero order (XLA), then the block-sparse TPU kernel."""
+    values = xla_kernels.entry_values(x, data, pattern)
     if values.dtype == np.float16:  # the MXU takes bfloat16 and float32
         values = values.astype(jnp.float32)
     return tpu_kernels.spmm(
@@ -223,6 +307,7 @@ def _tpu_spmm(x, data, pattern: Pattern, m: int, interpret: bool) -> jax.Array:
         xla_kernels.row_ids(pattern),
         pattern.tiles,
         num_rows=m,
+        reduce=reduce,
         # The TPU interpreter (pltpu.InterpretParams) runs on io_callbacks with ordered
         # effects, which a primitive's lowering cannot host; the primitive uses the
         # generic Pallas interpreter and tests run the kernel under both.
@@ -231,12 +316,18 @@ def _tpu_spmm(x, data, pattern: Pattern, m: int, interpret: bool) -> jax.Array:
 
 
 @functools.cache
-def _jitted_primitive(info: MatmulInfo, impl: str | None, interpret: bool):
-    return jax.jit(functools.partial(csr_matmul_p.bind, info=info, impl=impl, interpret=interpret))
+def _jitted_primitive(info: MatmulInfo, reduce: str, impl: str | None, interpret: bool):
+    return jax.jit(
+        functools.partial(
+            csr_matmul_p.bind, info=info, reduce=reduce, impl=impl, interpret=interpret
+        )
+    )
 
 
-def _eager_impl(*operands, info: MatmulInfo, impl: str | None, interpret: bool) -> jax.Array:
-    return _jitted_primitive(info, impl, interpret)(*operands)
+def _eager_impl(
+    *operands, info: MatmulInfo, reduce: str, impl: str | None, interpret: bool
+) -> jax.Array:
+    return _jitted_primitive(info, reduce, impl, interpret)(*operands)
 
 
 csr_matmul_p.def_impl(_eager_impl)
@@ -255,6 +346,8 @@ def _jvp(primals, tangents, *, info: MatmulInfo, **params):
     x, data, pattern = _unpack(primals, info)
     x_dot, data_dot, _ = _unpack(tangents, info)
     out = _bind(x, data, pattern, info, **params)
+    if params["reduce"] != "sum":
+        return out, _extreme_tangent(x, data, pattern, out, x_dot, data_dot)
     parts = []
     if type(x_dot) is not ad.Zero:
         parts.append(_bind(x_dot, data, pattern, info, **params))
@@ -266,11 +359,35 @@ def _jvp(primals, tangents, *, info: MatmulInfo, **params):
     return out, tangent.astype(out.dtype)
 
 
+def _extreme_tangent(x, data, pattern: Pattern, out, x_dot, data_dot) -> jax.Array:
+    """Tangent of a max/min: the input tangents gathered at the attaining entries."""
+    nnz = pattern.indices.shape[0]
+    x_live = type(x_dot) is not ad.Zero
+    data_live = data_dot is not None and type(data_dot) is not ad.Zero
+    if nnz == 0 or not (x_live or data_live):
+        return jnp.zeros_like(out)
+    position = jax.lax.stop_gradient(xla_kernels.extreme_positions(x, data, pattern, out))
+    valid = position < nnz
+    position = jnp.minimum(position, nnz - 1)
+    columns = pattern.indices[position]  # (m, F)
+    acc = xla_kernels.accumulation_dtype(out.dtype)
+    tangent = jnp.zeros(out.shape, acc)
+    if x_live:
+        part = jnp.take_along_axis(x_dot, columns, axis=0).astype(acc)
+        tangent = tangent + (part if data is None else part * data[position].astype(acc))
+    if data_live:
+        part = jnp.take_along_axis(x, columns, axis=0).astype(acc)
+        tangent = tangent + part * data_dot[position].astype(acc)
+    return jnp.where(valid, tangent, 0).astype(out.dtype)
+
+
 ad.primitive_jvps[csr_matmul_p] = _jvp
 
 
 # ------------------------------------------------------------------ transpose
 def _transpose(ct, *operands, info: MatmulInfo, **params):
+    if params["reduce"] != "sum":  # their JVPs never bind the primitive on tangents
+        raise ValueError(f"csr_matmul with reduce={params['reduce']!r} is not linear")
     x, data, pattern = _unpack(operands, info)
     if any(ad.is_undefined_primal(a) for a in pattern.flat()):
         raise ValueError("csr_matmul is not linear in the matrix's index arrays")

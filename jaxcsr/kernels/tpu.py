@@ -10,6 +10,15 @@ row ids with an iota compare and ``onehot @ values`` accumulates on the MXU in f
 Grid: (feature blocks "parallel", schedule "arbitrary"); steps of one output tile are
 consecutive, the first zeroes the tile, and tiles without nonzeros get one step.
 
+``reduce="max"``/``"min"`` swaps the semiring in the same schedule: the MXU has no
+max, so the tile is reduced on the VPU, one output row at a time: a nonzero column
+of row ids (``(BLOCK_K, 1)``, the same ids laid out down the sublanes) is compared
+with the row, the values of other rows are replaced by the identity and a sublane
+reduction gives the row's partial max, combined into the output tile. That is
+``BLOCK_M`` masked reductions per step, about as many VPU operations as the one-hot
+product has MXU ones; the first step of a tile fills it with -inf/+inf (the caller
+zeroes empty rows).
+
 The values are gathered into nonzero order by XLA before the kernel
 (``data[:, None] * x[indices]``; for a ``from_indices`` matrix that is the planned
 permutation): a row gather is what XLA already does well on TPU, and it keeps the
@@ -32,7 +41,9 @@ BLOCK_K = 128
 """Nonzeros per tile (a multiple of 128: the row-id block is ``(1, BLOCK_K)``)."""
 
 
-def _kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *, precision):
+def _sum_kernel(
+    out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *, precision
+):
     del nnz_tile_ref
     s = pl.program_id(1)
 
@@ -47,15 +58,38 @@ def _kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *,
     o_ref[...] += jnp.dot(onehot, vals, preferred_element_type=jnp.float32, precision=precision)
 
 
+def _extreme_kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *, reduce):
+    del nnz_tile_ref
+    s = pl.program_id(1)
+    identity = -jnp.inf if reduce == "max" else jnp.inf
+    combine = jnp.maximum if reduce == "max" else jnp.minimum
+
+    @pl.when(first_ref[s] == 1)
+    def _fill():
+        o_ref[...] = jnp.full(o_ref.shape, identity, o_ref.dtype)
+
+    local = rows_ref[...] - out_tile_ref[s] * BLOCK_M  # (BLOCK_K, 1); padding is < 0
+    vals = vals_ref[...].astype(jnp.float32)  # (BLOCK_K, block_n)
+    reducer = jnp.max if reduce == "max" else jnp.min
+    for i in range(BLOCK_M):  # static: one masked sublane reduction per output row
+        masked = jnp.where(local == i, vals, identity)
+        partial = reducer(masked, axis=0, keepdims=True)
+        o_ref[i : i + 1, :] = combine(o_ref[i : i + 1, :], partial)
+
+
 def spmm(
     values: jax.Array,
     rows: jax.Array,
     schedule: tuple[jax.Array, jax.Array, jax.Array],
     *,
     num_rows: int,
+    reduce: str = "sum",
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
     """``out[rows[k]] += values[k]`` as block-sparse MXU products, in float32.
+
+    With ``reduce="max"``/``"min"``: ``out[r] = max/min of values[k]`` over
+    ``rows[k] == r``, on the VPU; rows without nonzeros hold -inf/+inf.
 
     Args:
       values: ``(nnz, F)`` per-nonzero rows (already gathered and weighted), in CSR
@@ -63,6 +97,7 @@ def spmm(
       rows: ``(nnz,)`` int32 row of every nonzero (non-decreasing).
       schedule: ``(out_tile, nnz_tile, first)`` from ``plan_tile_schedule``.
       num_rows: ``m``.
+      reduce: ``"sum"``, ``"max"`` or ``"min"``.
       interpret: ``True`` or ``pltpu.InterpretParams()`` to run on CPU.
 
     Returns:
@@ -74,20 +109,30 @@ def spmm(
     num_m = max(1, pl.cdiv(num_rows, BLOCK_M))
     pad = num_k * BLOCK_K - nnz
     values = jnp.pad(values, ((0, pad), (0, 0)))
-    rows = jnp.pad(rows.astype(jnp.int32), (0, pad), constant_values=-1)[None, :]
+    rows = jnp.pad(rows.astype(jnp.int32), (0, pad), constant_values=-1)
     block_n = 128 if f % 128 == 0 else f
-    precision = lax.Precision.HIGHEST if values.dtype == jnp.float32 else None
+    if reduce == "sum":
+        rows = rows[None, :]  # lane-major: compared with a (BLOCK_M, BLOCK_K) iota
+        rows_spec = pl.BlockSpec((1, BLOCK_K), lambda j, s, ot, kt, fr: (0, kt[s]))
+        precision = lax.Precision.HIGHEST if values.dtype == jnp.float32 else None
+        kernel = functools.partial(_sum_kernel, precision=precision)
+    elif reduce in ("max", "min"):
+        rows = rows[:, None]  # sublane-major: masks the (BLOCK_K, block_n) values
+        rows_spec = pl.BlockSpec((BLOCK_K, 1), lambda j, s, ot, kt, fr: (kt[s], 0))
+        kernel = functools.partial(_extreme_kernel, reduce=reduce)
+    else:
+        raise ValueError(f"reduce must be 'sum', 'max' or 'min', got {reduce!r}")
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(f // block_n, out_tile.shape[0]),
         in_specs=[
-            pl.BlockSpec((1, BLOCK_K), lambda j, s, ot, kt, fr: (0, kt[s])),
+            rows_spec,
             pl.BlockSpec((BLOCK_K, block_n), lambda j, s, ot, kt, fr: (kt[s], j)),
         ],
         out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda j, s, ot, kt, fr: (ot[s], j)),
     )
     out = pl.pallas_call(
-        functools.partial(_kernel, precision=precision),
+        kernel,
         out_shape=jax.ShapeDtypeStruct((num_m * BLOCK_M, f), jnp.float32),
         grid_spec=grid_spec,
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),

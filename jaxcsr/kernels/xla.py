@@ -227,3 +227,122 @@ def sddmm(ct: jax.Array, x: jax.Array, pattern: Pattern, *, out_dtype: np.dtype)
     rows = row_ids(pattern)
     prod = ct[rows].astype(acc) * x[pattern.indices].astype(acc)
     return jnp.sum(prod, axis=1).astype(out_dtype)
+
+
+# ------------------------------------------------------------ max / min reduce
+EXTREMES: tuple[str, ...] = ("max", "min")
+
+
+def product_dtype(x_dtype, data_dtype) -> np.dtype:
+    """dtype of ``data * x`` (of ``x`` for one-valued matrices)."""
+    if data_dtype is None:
+        return np.dtype(x_dtype)
+    return np.dtype(jnp.result_type(data_dtype, x_dtype))
+
+
+def entry_values(x: jax.Array, data: jax.Array | None, pattern: Pattern) -> jax.Array:
+    """``data[k] * x[indices[k]]`` for every nonzero ``k`` (CSR order), ``(nnz, F)``.
+
+    Products of 16-bit floats are formed in float32 and rounded once, as the Pallas
+    kernels do, so comparing them with a kernel's max is exact.
+    """
+    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
+    gathered = x[pattern.indices]
+    if data is None:
+        return gathered.astype(dtype)
+    acc = accumulation_dtype(dtype)
+    return (data.astype(acc)[:, None] * gathered.astype(acc)).astype(dtype)
+
+
+def row_degrees(pattern: Pattern) -> jax.Array:
+    """Stored entries per row, ``(m,)``."""
+    return jnp.diff(pattern.indptr)
+
+
+def _segment_extreme(values, segments, num_segments, reduce, *, indices_are_sorted):
+    fn = jax.ops.segment_max if reduce == "max" else jax.ops.segment_min
+    return fn(values, segments, num_segments, indices_are_sorted=indices_are_sorted)
+
+
+def spmm_extreme(
+    x: jax.Array,
+    data: jax.Array | None,
+    pattern: Pattern,
+    *,
+    shape: tuple[int, int],
+    strategy: Strategy,
+    reduce: str,
+) -> jax.Array:
+    """``out[i] = max_k data[k] * x[indices[k]]`` over row ``i``'s nonzeros (or ``min``).
+
+    Same strategies as :func:`spmm` with the ``(+, *)`` semiring swapped for
+    ``(max, *)``/``(min, *)``: a scatter-max in input order for at most one nonzero
+    per column, a row gather for at most one per row, else a sorted segment max of
+    the gathered products (jaxlib's CSR kernel only sums). NaN propagates (XLA's
+    max/min do). Empty rows are 0.
+
+    Returns:
+      ``(m, F)`` in the product dtype (max/min are exact: no wider accumulator).
+    """
+    if reduce not in EXTREMES:
+        raise ValueError(f"reduce must be one of {EXTREMES}, got {reduce!r}")
+    m, _ = shape
+    nnz = pattern.indices.shape[0]
+    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
+    f = x.shape[1]
+    if m == 0 or f == 0 or nnz == 0:
+        return jnp.zeros((m, f), dtype)
+    if strategy == "scatter" and pattern.row_of_col is not None:
+        values = x
+        if data is not None:
+            acc = accumulation_dtype(dtype)
+            weights = _data_by_column(data, pattern, nnz).astype(acc)
+            values = (x.astype(acc) * weights[:, None]).astype(dtype)
+        out = _segment_extreme(
+            values.astype(dtype), pattern.row_of_col, m, reduce, indices_are_sorted=False
+        )
+    elif strategy == "gather" and pattern.col_of_row is not None:
+        out = x.at[pattern.col_of_row].get(mode="fill", fill_value=0)
+        if data is not None:
+            acc = accumulation_dtype(dtype)
+            weights = _data_by_row(data, pattern, nnz).astype(acc)
+            out = out.astype(acc) * weights[:, None]
+        out = out.astype(dtype)
+    else:
+        out = _segment_extreme(
+            entry_values(x, data, pattern), row_ids(pattern), m, reduce, indices_are_sorted=True
+        )
+    return jnp.where(row_degrees(pattern)[:, None] > 0, out, jnp.zeros((), dtype))
+
+
+def extreme_positions(
+    x: jax.Array, data: jax.Array | None, pattern: Pattern, out: jax.Array
+) -> jax.Array:
+    """CSR position of the entry that attains ``out[i, f]`` (the row max or min).
+
+    Ties go to the first position in CSR order (the smallest column for every
+    constructor but ``from_arrays``); a NaN result points at the row's first NaN.
+    Empty rows get the sentinel ``nnz``.
+
+    Args:
+      x, data, pattern: the product's operands.
+      out: ``(m, F)`` result of :func:`spmm_extreme` (or a kernel), any dtype; it is
+        compared in the product dtype.
+
+    Returns:
+      ``(m, F)`` int32 positions in ``[0, nnz]``.
+    """
+    m, f = out.shape
+    nnz = pattern.indices.shape[0]
+    if nnz == 0 or m == 0 or f == 0:
+        return jnp.full((m, f), nnz, jnp.int32)
+    values = entry_values(x, data, pattern)
+    rows = row_ids(pattern)
+    target = out.astype(values.dtype)[rows]
+    hit = values == target
+    if jnp.issubdtype(values.dtype, jnp.inexact):
+        hit = hit | (jnp.isnan(values) & jnp.isnan(target))
+    position = jnp.arange(nnz, dtype=jnp.int32)[:, None]
+    candidates = jnp.where(hit, position, jnp.int32(nnz))
+    first = jax.ops.segment_min(candidates, rows, m, indices_are_sorted=True)
+    return jnp.minimum(first, nnz)  # empty rows hold int32 max
