@@ -9,8 +9,32 @@ Example:
 """
 
 from jaxcsr.matrix import CSRMatrix
-from jaxcsr.ops import IMPLS, matmul
+from jaxcsr.ops import IMPLS, REDUCTIONS, matmul
+from jaxcsr.segment import (
+    segment_log_softmax,
+    segment_logsumexp,
+    segment_matrix,
+    segment_max,
+    segment_mean,
+    segment_min,
+    segment_softmax,
+    segment_sum,
+)
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
-__all__ = ["IMPLS", "CSRMatrix", "__version__", "matmul"]
+__all__ = [
+    "IMPLS",
+    "REDUCTIONS",
+    "CSRMatrix",
+    "__version__",
+    "matmul",
+    "segment_log_softmax",
+    "segment_logsumexp",
+    "segment_matrix",
+    "segment_max",
+    "segment_mean",
+    "segment_min",
+    "segment_softmax",
+    "segment_sum",
+]

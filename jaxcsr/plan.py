@@ -90,12 +90,15 @@ def _check_range(arr: np.ndarray, bound: int, name: str, bound_name: str) -> Non
         )
 
 
-def check_segment_ids(idx: Any, num_rows: Any) -> tuple[np.ndarray, int]:
+def check_segment_ids(
+    idx: Any, num_rows: Any, *, names: tuple[str, str] = ("idx", "num_rows")
+) -> tuple[np.ndarray, int]:
     """Validates segment ids for :meth:`CSRMatrix.from_indices`.
 
     Args:
       idx: 1-D integer array-like of segment (row) ids, one per input position.
       num_rows: number of segments; every id must lie in ``[0, num_rows)``.
+      names: the two arguments' names as the caller spells them, for messages.
 
     Returns:
       ``(idx, num_rows)`` as a host numpy array and an int.
@@ -104,11 +107,12 @@ def check_segment_ids(idx: Any, num_rows: Any) -> tuple[np.ndarray, int]:
       TypeError: ``idx`` is not integer, ``num_rows`` not an int.
       ValueError: ``idx`` not 1-D, traced, or out of range; ``num_rows < 0``.
     """
-    num_rows = _check_size(num_rows, "num_rows")
-    arr = _as_host_int_array(idx, "idx")
+    idx_name, size_name = names
+    num_rows = _check_size(num_rows, size_name)
+    arr = _as_host_int_array(idx, idx_name)
     if arr.ndim != 1:
-        raise ValueError(f"idx must be 1-D, got shape {arr.shape}")
-    _check_range(arr, num_rows, "idx", "num_rows")
+        raise ValueError(f"{idx_name} must be 1-D, got shape {arr.shape}")
+    _check_range(arr, num_rows, idx_name, size_name)
     return arr, num_rows
 
 

@@ -95,3 +95,36 @@ def assert_kernel_grads(matmul, rng: np.random.Generator, m: int, n: int) -> Non
     g = jax.grad(lambda x: jnp.sum(matmul(A, x) * ct))(x)
     assert_close(g, dense_of(A).T @ ct.astype(np.float64), np.float32)
     check_product_grads(lambda w, x: matmul(A.with_data(w), x), (A.data, x))
+
+
+def reduce_reference(A, x: np.ndarray, reduce: str) -> tuple[np.ndarray, np.ndarray]:
+    """Float64 ``reduce_k data[k] * x[col_k]`` per row, from A's CSR arrays in order.
+
+    Empty rows are 0 (arg: ``n``); ties go to the first entry in CSR order; NaN
+    propagates (its arg is the first NaN). ``x`` is ``(n, F)``.
+    Returns ``(out (m, F), arg (m, F))`` where ``arg`` is the attaining column.
+    """
+    m, n = A.shape
+    indptr, indices = np.asarray(A.indptr), np.asarray(A.indices)
+    data = None if A.data is None else np.asarray(A.data, np.float64)
+    x = np.asarray(x, np.float64)
+    out = np.zeros((m, x.shape[1]))
+    arg = np.full((m, x.shape[1]), n)
+    for i in range(m):
+        lo, hi = indptr[i], indptr[i + 1]
+        if lo == hi:
+            continue
+        vals = x[indices[lo:hi]]
+        if data is not None:
+            vals = vals * data[lo:hi, None]
+        if reduce in ("sum", "mean"):
+            with np.errstate(invalid="ignore"):  # inf + -inf is NaN, as intended
+                out[i] = vals.sum(0) / (hi - lo if reduce == "mean" else 1)
+        else:
+            best = np.nanargmax if reduce == "max" else np.nanargmin
+            for f in range(x.shape[1]):
+                col = vals[:, f]
+                nan = np.flatnonzero(np.isnan(col))
+                k = nan[0] if nan.size else best(col)
+                out[i, f], arg[i, f] = col[k], indices[lo + k]
+    return out, arg

@@ -79,9 +79,7 @@ def tile_config(n_features: int) -> tuple[int, int]:
     return TILE_TABLE[width]
 
 
-def _kernel(
-    row_ref, start_ref, end_ref, idx_ref, *refs, has_data, block_n, n_features, reduce
-):
+def _kernel(row_ref, start_ref, end_ref, idx_ref, *refs, has_data, block_n, n_features, reduce):
     if has_data:
         data_ref, x_ref, _, out_ref = refs
     else:

@@ -41,8 +41,27 @@ BLOCK_K = 128
 """Nonzeros per tile (a multiple of 128: the row-id block is ``(1, BLOCK_K)``)."""
 
 
+_REDUCERS = {
+    "sum": (0.0, jnp.sum, jnp.add),
+    "max": (-jnp.inf, jnp.max, jnp.maximum),
+    "min": (jnp.inf, jnp.min, jnp.minimum),
+}
+
+
+def _row_loop(local_col, vals, o_ref, reduce: str) -> None:
+    """``o[i] = combine(o[i], reduce over k with local_col[k] == i of vals[k])`` on the VPU.
+
+    ``local_col`` is ``(BLOCK_K, 1)``: one masked sublane reduction per output row.
+    """
+    identity, reducer, combine = _REDUCERS[reduce]
+    for i in range(BLOCK_M):  # static
+        masked = jnp.where(local_col == i, vals, identity)
+        partial = reducer(masked, axis=0, keepdims=True)
+        o_ref[i : i + 1, :] = combine(o_ref[i : i + 1, :], partial)
+
+
 def _sum_kernel(
-    out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *, precision
+    out_tile_ref, nnz_tile_ref, first_ref, rows_ref, rows_col_ref, vals_ref, o_ref, *, precision
 ):
     del nnz_tile_ref
     s = pl.program_id(1)
@@ -51,30 +70,36 @@ def _sum_kernel(
     def _zero():
         o_ref[...] = jnp.zeros_like(o_ref)
 
-    local = rows_ref[...] - out_tile_ref[s] * BLOCK_M  # (1, BLOCK_K); padding is < 0
+    base = out_tile_ref[s] * BLOCK_M
+    local = rows_ref[...] - base  # (1, BLOCK_K); padding is < 0
     iota = lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_K), 0)
     vals = vals_ref[...]
+    finite = jnp.isfinite(vals.astype(jnp.float32))  # Mosaic tests float32 only
+    # 0 * inf is NaN on the MXU: a one-hot product would spread one non-finite value
+    # over the whole tile. Finite values go through the MXU; a tile holding inf/NaN
+    # adds them on the VPU, row by row, so each reaches its own row only.
     onehot = (iota == local).astype(vals.dtype)
-    o_ref[...] += jnp.dot(onehot, vals, preferred_element_type=jnp.float32, precision=precision)
+    clean = jnp.where(finite, vals, jnp.zeros_like(vals))
+    o_ref[...] += jnp.dot(onehot, clean, preferred_element_type=jnp.float32, precision=precision)
+
+    @pl.when(jnp.max(jnp.where(finite, 0.0, 1.0)) > 0)
+    def _non_finite():
+        odd = jnp.where(finite, 0.0, vals.astype(jnp.float32))
+        _row_loop(rows_col_ref[...] - base, odd, o_ref, "sum")
 
 
-def _extreme_kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *, reduce):
+def _extreme_kernel(
+    out_tile_ref, nnz_tile_ref, first_ref, rows_col_ref, vals_ref, o_ref, *, reduce
+):
     del nnz_tile_ref
     s = pl.program_id(1)
-    identity = -jnp.inf if reduce == "max" else jnp.inf
-    combine = jnp.maximum if reduce == "max" else jnp.minimum
 
     @pl.when(first_ref[s] == 1)
     def _fill():
-        o_ref[...] = jnp.full(o_ref.shape, identity, o_ref.dtype)
+        o_ref[...] = jnp.full(o_ref.shape, _REDUCERS[reduce][0], o_ref.dtype)
 
-    local = rows_ref[...] - out_tile_ref[s] * BLOCK_M  # (BLOCK_K, 1); padding is < 0
-    vals = vals_ref[...].astype(jnp.float32)  # (BLOCK_K, block_n)
-    reducer = jnp.max if reduce == "max" else jnp.min
-    for i in range(BLOCK_M):  # static: one masked sublane reduction per output row
-        masked = jnp.where(local == i, vals, identity)
-        partial = reducer(masked, axis=0, keepdims=True)
-        o_ref[i : i + 1, :] = combine(o_ref[i : i + 1, :], partial)
+    local = rows_col_ref[...] - out_tile_ref[s] * BLOCK_M  # (BLOCK_K, 1); padding is < 0
+    _row_loop(local, vals_ref[...].astype(jnp.float32), o_ref, reduce)
 
 
 def spmm(
@@ -111,14 +136,16 @@ def spmm(
     values = jnp.pad(values, ((0, pad), (0, 0)))
     rows = jnp.pad(rows.astype(jnp.int32), (0, pad), constant_values=-1)
     block_n = 128 if f % 128 == 0 else f
+    # Row ids lane-major (compared with a (BLOCK_M, BLOCK_K) iota for the one-hot)
+    # and sublane-major (masking the (BLOCK_K, block_n) values row by row).
+    lanes = pl.BlockSpec((1, BLOCK_K), lambda j, s, ot, kt, fr: (0, kt[s]))
+    sublanes = pl.BlockSpec((BLOCK_K, 1), lambda j, s, ot, kt, fr: (kt[s], 0))
     if reduce == "sum":
-        rows = rows[None, :]  # lane-major: compared with a (BLOCK_M, BLOCK_K) iota
-        rows_spec = pl.BlockSpec((1, BLOCK_K), lambda j, s, ot, kt, fr: (0, kt[s]))
+        row_operands, row_specs = [rows[None, :], rows[:, None]], [lanes, sublanes]
         precision = lax.Precision.HIGHEST if values.dtype == jnp.float32 else None
         kernel = functools.partial(_sum_kernel, precision=precision)
     elif reduce in ("max", "min"):
-        rows = rows[:, None]  # sublane-major: masks the (BLOCK_K, block_n) values
-        rows_spec = pl.BlockSpec((BLOCK_K, 1), lambda j, s, ot, kt, fr: (kt[s], 0))
+        row_operands, row_specs = [rows[:, None]], [sublanes]
         kernel = functools.partial(_extreme_kernel, reduce=reduce)
     else:
         raise ValueError(f"reduce must be 'sum', 'max' or 'min', got {reduce!r}")
@@ -126,7 +153,7 @@ def spmm(
         num_scalar_prefetch=3,
         grid=(f // block_n, out_tile.shape[0]),
         in_specs=[
-            rows_spec,
+            *row_specs,
             pl.BlockSpec((BLOCK_K, block_n), lambda j, s, ot, kt, fr: (kt[s], j)),
         ],
         out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda j, s, ot, kt, fr: (ot[s], j)),
@@ -138,5 +165,5 @@ def spmm(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="jaxcsr_block_spmm",
-    )(out_tile, nnz_tile, first, rows, values)
+    )(out_tile, nnz_tile, first, *row_operands, values)
     return out[:num_rows]

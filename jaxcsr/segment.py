@@ -1,0 +1,369 @@
+"""Segment reductions with ``jax.ops.segment_*`` signatures, on a cached planned matrix.
+
+Each function takes a *static* host array of segment ids, builds (once) the
+one-valued matrix ``A = CSRMatrix.from_indices(segment_ids, num_segments)`` and
+computes ``matmul(A, data, reduce=...)``. The matrix is cached by the ids' value
+(:func:`segment_matrix`), so calling a function again with equal ids -- eagerly,
+or when a jitted function is retraced -- plans nothing.
+
+Migrating from ``jax.ops`` is a one-line change, with three differences, all
+documented in ``docs/migration.md``:
+
+* ``segment_ids`` must be concrete (a numpy array, or a JAX array outside
+  ``jax.jit`` / closed over as a constant): the plan is made on the host.
+* Out-of-range ids raise ``ValueError`` unless ``mode="drop"``/``"fill"`` (drop them,
+  as ``jax.ops`` does silently by default) or ``mode="clip"`` asks otherwise.
+* Empty segments give 0 for ``segment_max``/``segment_min`` (torch_scatter's
+  convention); ``jax.ops`` gives ``-inf``/``+inf`` (the identity).
+
+``axis`` (which ``jax.ops`` lacks) picks the axis of ``data`` that is segmented;
+``axis=-1`` is the last-axis scatter ``data @ A.T``.
+"""
+
+from __future__ import annotations
+
+import collections
+import hashlib
+import threading
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcsr import plan
+from jaxcsr.matrix import CSRMatrix
+from jaxcsr.ops import matmul
+
+__all__ = [
+    "MODES",
+    "segment_log_softmax",
+    "segment_logsumexp",
+    "segment_matrix",
+    "segment_max",
+    "segment_mean",
+    "segment_min",
+    "segment_softmax",
+    "segment_sum",
+]
+
+MODES: tuple[str | None, ...] = (None, "promise_in_bounds", "drop", "fill", "clip")
+"""Accepted ``mode`` values. ``None``/``"promise_in_bounds"``: out-of-range ids raise
+``ValueError``; ``"drop"``/``"fill"``: entries with out-of-range ids are left out;
+``"clip"``: ids are clipped into ``[0, num_segments)``."""
+
+CACHE_SIZE = 64
+"""Most matrices :func:`segment_matrix` keeps (least recently used are evicted)."""
+
+_cache: collections.OrderedDict[tuple, CSRMatrix] = collections.OrderedDict()
+_cache_lock = threading.Lock()
+
+
+def _host_ids(segment_ids: Any) -> np.ndarray:
+    if isinstance(segment_ids, jax.core.Tracer):
+        raise ValueError(
+            "segment_ids is a traced JAX value; jaxcsr plans on the host, so it must be "
+            "static: pass a numpy array (close over it inside jax.jit), or build a "
+            "CSRMatrix.from_indices outside jit and pass the matrix in."
+        )
+    ids = np.asarray(segment_ids)
+    if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
+        raise TypeError(f"segment_ids must have an integer dtype, got {ids.dtype}")
+    if ids.ndim != 1:
+        raise ValueError(f"segment_ids must be 1-D, got shape {ids.shape}")
+    return ids
+
+
+def segment_matrix(
+    segment_ids: Any, num_segments: int | None = None, mode: str | None = None
+) -> CSRMatrix:
+    """The one-valued ``(num_segments, len(segment_ids))`` matrix, cached by value.
+
+    Args:
+      segment_ids: concrete 1-D integer array.
+      num_segments: number of segments; ``None`` means ``max(segment_ids) + 1``
+        (0 for no ids), as in ``jax.ops``.
+      mode: one of :data:`MODES`.
+
+    Returns:
+      A :class:`~jaxcsr.CSRMatrix` ``A`` with ``A[segment_ids[j], j] = 1`` (entries
+      with dropped ids left out).
+
+    Raises:
+      ValueError: traced or non-1-D ids, out-of-range ids (unless ``mode`` says
+        otherwise), negative ``num_segments``, unknown ``mode``.
+      TypeError: non-integer ids or ``num_segments``.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    ids = _host_ids(segment_ids)
+    if num_segments is None:
+        num_segments = int(ids.max()) + 1 if ids.size else 0
+    names = ("segment_ids", "num_segments")
+    digest = hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
+    key = (digest, ids.dtype.str, ids.size, num_segments, mode)
+    with _cache_lock:
+        if key in _cache:
+            _cache.move_to_end(key)
+            return _cache[key]
+    if mode in ("drop", "fill"):
+        if isinstance(num_segments, int) and num_segments >= 0:
+            keep = (ids >= 0) & (ids < num_segments)
+        else:
+            keep = np.ones(ids.shape, bool)
+        kept, num_segments = plan.check_segment_ids(ids[keep], num_segments, names=names)
+        matrix = CSRMatrix.from_coo(kept, np.flatnonzero(keep), shape=(num_segments, ids.size))
+    else:
+        if mode == "clip" and isinstance(num_segments, int) and num_segments > 0:
+            ids = np.clip(ids, 0, num_segments - 1)
+        ids, num_segments = plan.check_segment_ids(ids, num_segments, names=names)
+        matrix = CSRMatrix.from_indices(ids, num_rows=num_segments)
+    with _cache_lock:
+        _cache[key] = matrix
+        while len(_cache) > CACHE_SIZE:
+            _cache.popitem(last=False)
+    return matrix
+
+
+def _check_axis(data: jax.Array, axis: int) -> int:
+    if data.ndim == 0:
+        raise ValueError("data must have rank >= 1, got a scalar (shape ())")
+    if not isinstance(axis, int | np.integer) or isinstance(axis, bool):
+        raise TypeError(f"axis must be an int, got {axis!r}")
+    if not -data.ndim <= axis < data.ndim:
+        raise ValueError(f"axis {axis} is out of bounds for data of rank {data.ndim}")
+    return int(axis) % data.ndim
+
+
+def _prepare(data: Any, segment_ids: Any, num_segments, mode, axis) -> tuple:
+    data = jnp.asarray(data)
+    axis = _check_axis(data, axis)
+    A = segment_matrix(segment_ids, num_segments, mode)
+    if A.shape[1] != data.shape[axis]:
+        raise ValueError(
+            f"data.shape[{axis}] must equal len(segment_ids) = {A.shape[1]}, "
+            f"got data.shape = {data.shape}"
+        )
+    return A, jnp.moveaxis(data, axis, 0), axis
+
+
+def _reduce(data, segment_ids, num_segments, mode, axis, reduce, return_arg=False, impl=None):
+    A, x, axis = _prepare(data, segment_ids, num_segments, mode, axis)
+    result = matmul(A, x, reduce=reduce, return_arg=return_arg, impl=impl)
+    if return_arg:
+        out, arg = result
+        return jnp.moveaxis(out, 0, axis), jnp.moveaxis(arg, 0, axis)
+    return jnp.moveaxis(result, 0, axis)
+
+
+_SIGNATURE_DOC = """
+    Args:
+      data: array whose ``axis`` has length ``len(segment_ids)``.
+      segment_ids: concrete 1-D integer array of segment ids (see
+        :func:`segment_matrix`; the planned matrix is cached by value).
+      num_segments: number of segments; ``None`` means ``max(segment_ids) + 1``.
+      indices_are_sorted, unique_indices, bucket_size: accepted for signature
+        compatibility with ``jax.ops`` and ignored: the host plan knows.
+      mode: one of :data:`MODES`; the default raises on out-of-range ids.
+      axis: the segmented axis of ``data`` (``jax.ops`` always uses 0).
+      impl: forwarded to :func:`jaxcsr.matmul`.
+"""
+
+
+def segment_sum(
+    data: Any,
+    segment_ids: Any,
+    num_segments: int | None = None,
+    indices_are_sorted: bool = False,
+    unique_indices: bool = False,
+    bucket_size: int | None = None,
+    mode: str | None = None,
+    *,
+    axis: int = 0,
+    impl: str | None = None,
+) -> jax.Array:
+    """Sum of ``data`` over segments along ``axis``; empty segments are 0.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> jaxcsr.segment_sum(jnp.arange(5.0), np.array([0, 2, 2, 1, 0]), 4)
+      Array([4., 3., 3., 0.], dtype=float32)
+    """
+    del indices_are_sorted, unique_indices, bucket_size
+    return _reduce(data, segment_ids, num_segments, mode, axis, "sum", impl=impl)
+
+
+def segment_mean(
+    data: Any,
+    segment_ids: Any,
+    num_segments: int | None = None,
+    indices_are_sorted: bool = False,
+    unique_indices: bool = False,
+    bucket_size: int | None = None,
+    mode: str | None = None,
+    *,
+    axis: int = 0,
+    impl: str | None = None,
+) -> jax.Array:
+    """Mean of ``data`` over segments; empty segments are 0, integers floor-divide.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> jaxcsr.segment_mean(jnp.arange(5.0), np.array([0, 2, 2, 1, 0]), 4)
+      Array([2. , 3. , 1.5, 0. ], dtype=float32)
+    """
+    del indices_are_sorted, unique_indices, bucket_size
+    return _reduce(data, segment_ids, num_segments, mode, axis, "mean", impl=impl)
+
+
+def segment_max(
+    data: Any,
+    segment_ids: Any,
+    num_segments: int | None = None,
+    indices_are_sorted: bool = False,
+    unique_indices: bool = False,
+    bucket_size: int | None = None,
+    mode: str | None = None,
+    *,
+    axis: int = 0,
+    return_arg: bool = False,
+    impl: str | None = None,
+) -> Any:
+    """Maximum of ``data`` over segments; empty segments are 0 (not ``-inf``).
+
+    With ``return_arg=True`` also returns the position along ``axis`` of each
+    maximum (ties: the first position; empty segments: ``len(segment_ids)``).
+    Gradients flow to those positions only. NaN propagates.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> x = jnp.array([1.0, 3.0, 2.0, 4.0, 5.0, 6.0])
+      >>> jaxcsr.segment_max(x, np.array([0, 1, 0, 1, 1, 3]), 4, return_arg=True)
+      (Array([2., 5., 0., 6.], dtype=float32), Array([2, 4, 6, 5], dtype=int32))
+    """
+    del indices_are_sorted, unique_indices, bucket_size
+    return _reduce(data, segment_ids, num_segments, mode, axis, "max", return_arg, impl)
+
+
+def segment_min(
+    data: Any,
+    segment_ids: Any,
+    num_segments: int | None = None,
+    indices_are_sorted: bool = False,
+    unique_indices: bool = False,
+    bucket_size: int | None = None,
+    mode: str | None = None,
+    *,
+    axis: int = 0,
+    return_arg: bool = False,
+    impl: str | None = None,
+) -> Any:
+    """Minimum of ``data`` over segments; empty segments are 0 (not ``+inf``).
+
+    ``return_arg`` as in :func:`segment_max`.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> x = jnp.array([1.0, 3.0, 2.0, 4.0, 5.0, 6.0])
+      >>> jaxcsr.segment_min(x, np.array([0, 1, 0, 1, 1, 3]), 4)
+      Array([1., 3., 0., 6.], dtype=float32)
+    """
+    del indices_are_sorted, unique_indices, bucket_size
+    return _reduce(data, segment_ids, num_segments, mode, axis, "min", return_arg, impl)
+
+
+for _fn in (segment_sum, segment_mean, segment_max, segment_min):
+    _head, _sep, _example = _fn.__doc__.partition("\n    Example:")
+    _fn.__doc__ = _head.rstrip() + "\n" + _SIGNATURE_DOC + _sep + _example
+
+
+# ------------------------------------------------------------ softmax family
+def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
+    """``(A, x, axis, shifted, total, compute dtype)`` of a stable segment softmax."""
+    A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(f"logits must have a floating dtype, got {x.dtype}")
+    dtype = x.dtype
+    x = x.astype(jnp.promote_types(dtype, jnp.float32))
+    # The shift cancels in the value and the gradient: no gradient through the max.
+    peak = matmul(A, jax.lax.stop_gradient(x), reduce="max", impl=impl)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0)
+    shifted = x - matmul(A.T, peak, impl=impl)  # each entry minus its segment's max
+    total = matmul(A, jnp.exp(shifted), impl=impl)
+    return A, axis, shifted, total, peak, dtype
+
+
+def segment_softmax(
+    logits: Any,
+    segment_ids: Any,
+    num_segments: int | None = None,
+    *,
+    axis: int = 0,
+    impl: str | None = None,
+) -> jax.Array:
+    """Softmax of ``logits`` within each segment (GNN attention over incoming edges).
+
+    ``out[j] = exp(x[j] - m) / sum_{i in seg(j)} exp(x[i] - m)`` with ``m`` the
+    segment's max (numerically stable). 16-bit inputs are computed in float32 and
+    cast back. A segment whose logits are all ``-inf`` gives NaN, as
+    ``jax.nn.softmax`` does. Out-of-range ids raise ``ValueError``.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> out = jaxcsr.segment_softmax(jnp.array([0.0, 1.0, 5.0]), np.array([0, 0, 1]), 2)
+      >>> [round(float(v), 4) for v in out]
+      [0.2689, 0.7311, 1.0]
+    """
+    A, axis, shifted, total, _, dtype = _softmax_parts(
+        logits, segment_ids, num_segments, axis, impl
+    )
+    out = jnp.exp(shifted) / matmul(A.T, total, impl=impl)
+    return jnp.moveaxis(out.astype(dtype), 0, axis)
+
+
+def segment_log_softmax(
+    logits: Any,
+    segment_ids: Any,
+    num_segments: int | None = None,
+    *,
+    axis: int = 0,
+    impl: str | None = None,
+) -> jax.Array:
+    """Log of :func:`segment_softmax`, computed as ``x - m - log(sum exp(x - m))``.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> out = jaxcsr.segment_log_softmax(jnp.array([0.0, 0.0]), np.array([0, 0]), 1)
+      >>> [round(float(v), 4) for v in out]
+      [-0.6931, -0.6931]
+    """
+    A, axis, shifted, total, _, dtype = _softmax_parts(
+        logits, segment_ids, num_segments, axis, impl
+    )
+    out = shifted - matmul(A.T, jnp.log(total), impl=impl)
+    return jnp.moveaxis(out.astype(dtype), 0, axis)
+
+
+def segment_logsumexp(
+    logits: Any,
+    segment_ids: Any,
+    num_segments: int | None = None,
+    *,
+    axis: int = 0,
+    impl: str | None = None,
+) -> jax.Array:
+    """``log(sum(exp(x)))`` per segment, stable; empty segments are 0 (torch_scatter).
+
+    A segment whose logits are all ``-inf`` gives ``-inf``.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> out = jaxcsr.segment_logsumexp(jnp.array([0.0, 0.0, 3.0]), np.array([0, 0, 2]), 3)
+      >>> [round(float(v), 4) for v in out]
+      [0.6931, 0.0, 3.0]
+    """
+    A, axis, _, total, peak, dtype = _softmax_parts(logits, segment_ids, num_segments, axis, impl)
+    nonempty = (jnp.diff(A.indptr) > 0).reshape((-1,) + (1,) * (total.ndim - 1))
+    # log(0) only where the segment is empty; keep its gradient finite there.
+    out = jnp.where(nonempty, jnp.log(jnp.where(nonempty, total, 1)) + peak, 0)
+    return jnp.moveaxis(out.astype(dtype), 0, axis)

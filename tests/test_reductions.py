@@ -1,0 +1,261 @@
+"""``matmul(A, X, reduce=...)``: sum/mean/max/min (+ arg) on every path vs float64 refs."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax import export
+from reference import (
+    assert_close,
+    check_product_grads,
+    dense_of,
+    power_law_ids,
+    random_csr,
+    random_values,
+    reduce_reference,
+    tolerance,
+)
+
+import jaxcsr
+from jaxcsr import CSRMatrix
+
+REDUCES = ["sum", "mean", "max", "min"]
+EXTREMES = ["max", "min"]
+# (impl, interpret): the XLA path and both Pallas kernels in interpret mode.
+PATHS = [("xla", False), ("pallas_gpu", True), ("pallas_tpu", True)]
+
+
+def structure(rng, kind: str) -> CSRMatrix:
+    """Every structure class the XLA path distinguishes, with empty rows."""
+    if kind == "segment":  # <= 1 nonzero per column: scatter strategy
+        return CSRMatrix.from_indices(power_law_ids(rng, 150, 23), num_rows=23)
+    if kind == "sorted_segment":  # identity columns: CSR-kernel strategy for sums
+        return CSRMatrix.from_indices(np.sort(power_law_ids(rng, 150, 23)), num_rows=23)
+    if kind == "gather":  # <= 1 nonzero per row
+        return CSRMatrix.from_indices(power_law_ids(rng, 40, 23), num_rows=23).T
+    if kind == "weighted":  # general matrix with values
+        return CSRMatrix.from_scipy(random_csr(rng, 19, 31, "power_law"))
+    if kind == "weighted_segment":  # values on the scatter structure
+        idx = power_law_ids(rng, 90, 11)
+        return CSRMatrix.from_indices(idx, num_rows=11, data=random_values(rng, (90,)))
+    if kind == "empty":
+        return CSRMatrix.from_scipy(random_csr(rng, 6, 9, "empty"))
+    raise ValueError(kind)
+
+
+KINDS = ["segment", "sorted_segment", "gather", "weighted", "weighted_segment", "empty"]
+
+
+def check_arg(A, x, out, arg, reduce, dtype) -> None:
+    """``arg`` names an entry of its row whose product equals ``out`` (sentinel if empty)."""
+    m, n = A.shape
+    arg = np.asarray(arg)
+    assert arg.dtype == np.int32 and arg.shape == np.shape(out)
+    dense = dense_of(A) if A.data is not None else None
+    degree = np.diff(np.asarray(A.indptr))
+    x = np.asarray(x, np.float64).reshape(n, -1)
+    out = np.asarray(out, np.float64).reshape(m, -1)
+    arg = arg.reshape(m, -1)
+    assert np.all(arg[degree == 0] == n)
+    rows, cols = np.nonzero(np.broadcast_to(degree[:, None] > 0, arg.shape))
+    for i, f in zip(rows, cols, strict=True):
+        j = arg[i, f]
+        lo, hi = np.asarray(A.indptr)[i : i + 2]
+        assert j in np.asarray(A.indices)[lo:hi], (i, f, j)
+        value = x[j, f] * (1.0 if dense is None else dense[i, j])
+        assert abs(value - out[i, f]) <= 2 * tolerance(dtype) * max(1, abs(out[i, f]))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_xla_path_matches_reference(rng, reduce, kind, dtype):
+    A = structure(rng, kind)
+    x = random_values(rng, (A.shape[1], 3, 2)).astype(dtype)
+    out = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl="xla")
+    assert out.shape == (A.shape[0], 3, 2)
+    assert out.dtype == np.dtype(dtype) if A.data is None else out.dtype == np.float32
+    expected, expected_arg = reduce_reference(A, x.reshape(A.shape[1], 6), reduce)
+    assert_close(out.reshape(A.shape[0], 6), expected, dtype)
+    if reduce in EXTREMES:
+        out2, arg = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, return_arg=True)
+        np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
+        if A.data is None and dtype == np.float32:  # exact values: exact arg
+            np.testing.assert_array_equal(np.asarray(arg).reshape(-1, 6), expected_arg)
+        check_arg(A, x, out, arg, reduce, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("kind", ["segment", "weighted"])
+@pytest.mark.parametrize("reduce", ["mean", "max", "min"])
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_kernels_match_reference(rng, impl, reduce, kind, dtype):
+    A = structure(rng, kind)
+    x = random_values(rng, (A.shape[1], 5)).astype(dtype)
+    out = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl=impl, interpret=True)
+    expected, _ = reduce_reference(A, x, reduce)
+    assert_close(out, expected, dtype)
+    if reduce in EXTREMES:  # max/min are exact: every path gives the same bits
+        xla = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl="xla")
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(xla))
+        _, arg = jaxcsr.matmul(
+            A, jnp.asarray(x), reduce=reduce, impl=impl, interpret=True, return_arg=True
+        )
+        check_arg(A, x, out, arg, reduce, dtype)
+
+
+@pytest.mark.parametrize("impl,interpret", PATHS)
+@pytest.mark.parametrize("reduce", EXTREMES)
+def test_ties_go_to_the_smallest_column(rng, reduce, impl, interpret):
+    idx = power_law_ids(rng, 200, 9)
+    A = CSRMatrix.from_indices(idx, num_rows=9)
+    x = rng.integers(-2, 3, size=(200, 4)).astype(np.float32)  # many ties
+    out, arg = jaxcsr.matmul(
+        A, jnp.asarray(x), reduce=reduce, return_arg=True, impl=impl, interpret=interpret
+    )
+    expected, expected_arg = reduce_reference(A, x, reduce)
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    np.testing.assert_array_equal(np.asarray(arg), expected_arg)
+    # the documented rule, stated directly: first position of the segment attaining it
+    for i in range(9):
+        members = np.flatnonzero(idx == i)
+        for f in range(4):
+            if members.size:
+                target = x[members, f].max() if reduce == "max" else x[members, f].min()
+                assert arg[i, f] == members[np.flatnonzero(x[members, f] == target)[0]]
+
+
+@pytest.mark.parametrize("impl,interpret", PATHS)
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_infinities_and_nan(reduce, impl, interpret):
+    #            row 0         row 1          row 2         row 3 (empty) row 4
+    idx = np.array([0, 0, 0, 1, 1, 2, 2, 2, 4, 4])
+    x = np.array([1.5, np.nan, -3.0, np.inf, -np.inf, -np.inf, -np.inf, -np.inf, 2.0, np.inf])
+    x = np.stack([x, -x], axis=1).astype(np.float32)
+    A = CSRMatrix.from_indices(idx, num_rows=5)
+    out = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl=impl, interpret=interpret)
+    expected, expected_arg = reduce_reference(A, x, reduce)
+    with np.errstate(invalid="ignore"):
+        np.testing.assert_array_equal(np.asarray(out), expected.astype(np.float32))
+    assert np.isnan(out[0]).all()  # NaN propagates into every reduce
+    assert np.all(out[3] == 0)  # empty row
+    if reduce in EXTREMES:
+        # a row of -inf is not empty: its max is -inf, not 0
+        assert out[2, 0] == -np.inf and out[2, 1] == np.inf
+        _, arg = jaxcsr.matmul(
+            A, jnp.asarray(x), reduce=reduce, return_arg=True, impl=impl, interpret=interpret
+        )
+        np.testing.assert_array_equal(np.asarray(arg), expected_arg)
+        assert arg[0, 0] == 1 and arg[3, 0] == 10
+
+
+@pytest.mark.parametrize("reduce", EXTREMES)
+def test_integer_max_min_and_floor_mean(rng, reduce):
+    idx = power_law_ids(rng, 60, 7)
+    A = CSRMatrix.from_indices(idx, num_rows=7)
+    x = rng.integers(-50, 50, size=(60, 3)).astype(np.int32)
+    out, arg = jaxcsr.matmul(A, x, reduce=reduce, return_arg=True)
+    expected, expected_arg = reduce_reference(A, x, reduce)
+    assert out.dtype == np.int32
+    np.testing.assert_array_equal(np.asarray(out), expected)
+    np.testing.assert_array_equal(np.asarray(arg), expected_arg)
+    mean = jaxcsr.matmul(A, x, reduce="mean")
+    total = np.zeros((7, 3), np.int64)
+    np.add.at(total, idx, x)
+    count = np.maximum(np.bincount(idx, minlength=7), 1)[:, None]
+    np.testing.assert_array_equal(np.asarray(mean), np.floor_divide(total, count))
+
+
+def _separated(rng, shape) -> np.ndarray:
+    """Distinct values at least 0.05 apart: no tie flips under a 1e-3 perturbation."""
+    return (rng.permutation(int(np.prod(shape))).reshape(shape) * 0.05 - 1.0).astype(np.float32)
+
+
+@pytest.mark.parametrize("impl,interpret", PATHS)
+@pytest.mark.parametrize("reduce", EXTREMES)
+def test_gradients_reach_the_arg_positions_only(rng, reduce, impl, interpret):
+    idx = power_law_ids(rng, 80, 10)
+    A = CSRMatrix.from_indices(idx, num_rows=10, data=rng.uniform(0.5, 2.0, 80))
+    x = jnp.asarray(_separated(rng, (80, 3)))
+    ct = random_values(rng, (10, 3)).astype(np.float32)
+
+    def loss(data, x):
+        out = jaxcsr.matmul(A.with_data(data), x, reduce=reduce, impl=impl, interpret=interpret)
+        return jnp.sum(out * ct)
+
+    g_data, g_x = jax.grad(loss, argnums=(0, 1))(A.data, x)
+    _, arg = jaxcsr.matmul(A, x, reduce=reduce, return_arg=True)
+    arg, order = np.asarray(arg), np.asarray(A.input_order)
+    data_in = np.empty(80)
+    data_in[order] = np.asarray(A.data)  # weights in input order (column j)
+    expected_x = np.zeros((80, 3))
+    expected_data_in = np.zeros(80)
+    for i in range(10):
+        for f in range(3):
+            j = arg[i, f]
+            if j < 80:
+                expected_x[j, f] += ct[i, f] * data_in[j]
+                expected_data_in[j] += ct[i, f] * float(x[j, f])
+    assert_close(g_x, expected_x, np.float32)
+    assert_close(g_data, expected_data_in[order], np.float32)  # CSR order
+    if impl == "xla":
+        f = lambda d, x: jaxcsr.matmul(A.with_data(d), x, reduce=reduce)  # noqa: E731
+        jax.test_util.check_grads(f, (A.data, x), order=1, modes=("fwd", "rev"), eps=1e-3)
+
+
+def test_mean_gradient_is_exact(rng):
+    A = CSRMatrix.from_scipy(random_csr(rng, 13, 17, "empty_rows"))
+    x = jnp.asarray(random_values(rng, (17, 2)), jnp.float32)
+    ct = random_values(rng, (13, 2))
+    degree = np.maximum(np.diff(np.asarray(A.indptr)), 1)[:, None]
+    g = jax.grad(lambda x: jnp.sum(jaxcsr.matmul(A, x, reduce="mean") * ct))(x)
+    assert_close(g, dense_of(A).T @ (ct / degree), np.float32)
+    check_product_grads(lambda w, x: jaxcsr.matmul(A.with_data(w), x, reduce="mean"), (A.data, x))
+
+
+@pytest.mark.parametrize("reduce", REDUCES)
+def test_jit_vmap_and_scan(rng, reduce):
+    idx = power_law_ids(rng, 50, 8)
+    A = CSRMatrix.from_indices(idx, num_rows=8)
+    xs = jnp.asarray(random_values(rng, (4, 50, 3)), jnp.float32)
+    per_item = jnp.stack([jaxcsr.matmul(A, x, reduce=reduce) for x in xs])
+    f = jax.jit(lambda A, x: jaxcsr.matmul(A, x, reduce=reduce))
+    assert_close(jax.vmap(f, in_axes=(None, 0))(A, xs), per_item, np.float32)
+    # batched matrix values (vmap over with_data)
+    ws = jnp.asarray(rng.uniform(0.5, 2, (3, 50)), jnp.float32)
+    batched = jax.vmap(lambda w: jaxcsr.matmul(A.with_data(w), xs[0], reduce=reduce))(ws)
+    for b in range(3):
+        ref, _ = reduce_reference(A.with_data(ws[b]), np.asarray(xs[0]), reduce)
+        assert_close(batched[b], ref, np.float32)
+    _, scanned = jax.lax.scan(lambda c, x: (c, jaxcsr.matmul(A, x, reduce=reduce)), 0, xs)
+    assert_close(scanned, per_item, np.float32)
+
+
+def test_bad_reduce_arguments_are_named(rng):
+    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2)
+    x = jnp.ones((3, 2))
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        jaxcsr.matmul(A, x, reduce="prod")
+    with pytest.raises(ValueError, match="return_arg=True needs reduce='max' or 'min'"):
+        jaxcsr.matmul(A, x, reduce="sum", return_arg=True)
+    with pytest.raises(TypeError, match="return_arg must be a bool"):
+        jaxcsr.matmul(A, x, reduce="max", return_arg=1)
+    with pytest.raises(TypeError, match="reduce='max' needs real dtypes"):
+        jaxcsr.matmul(A, x.astype(jnp.complex64), reduce="max")
+
+
+TRITON_CALL = "__gpu$xla.gpu.triton"
+
+
+@pytest.mark.parametrize("reduce", EXTREMES)
+def test_max_min_kernels_lower_for_hardware(rng, reduce):
+    A = CSRMatrix.from_indices(power_law_ids(rng, 300, 40), num_rows=40)
+    spec = jax.ShapeDtypeStruct((300, 128), jnp.float32)
+    gpu = jax.jit(lambda x: jaxcsr.matmul(A, x, reduce=reduce, impl="pallas_gpu"))
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+    text = export.export(gpu, platforms=["cuda"], disabled_checks=checks)(spec).mlir_module()
+    assert TRITON_CALL in text
+    tpu = jax.jit(lambda x: jaxcsr.matmul(A, x, reduce=reduce, impl="pallas_tpu"))
+    assert "tpu_custom_call" in export.export(tpu, platforms=["tpu"])(spec).mlir_module()
