@@ -1,0 +1,227 @@
+"""The functional API: ``jaxcsr.segment_*`` against jax.ops and float64 references."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import assert_close, check_product_grads, power_law_ids, random_values
+
+import jaxcsr
+from jaxcsr import segment
+
+
+def np_segment(values: np.ndarray, ids: np.ndarray, m: int, reduce: str) -> np.ndarray:
+    """Float64 segment reduction along axis 0; empty segments 0."""
+    values = np.asarray(values, np.float64)
+    out = np.zeros((m, *values.shape[1:]))
+    for s in range(m):
+        members = values[ids == s]
+        if members.shape[0]:
+            out[s] = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[reduce](
+                members, axis=0
+            )
+    return out
+
+
+FUNCTIONS = {
+    "sum": jaxcsr.segment_sum,
+    "mean": jaxcsr.segment_mean,
+    "max": jaxcsr.segment_max,
+    "min": jaxcsr.segment_min,
+}
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("reduce", list(FUNCTIONS))
+def test_matches_reference_and_jax_ops(rng, reduce, dtype):
+    ids = power_law_ids(rng, 300, 41)
+    values = random_values(rng, (300, 4)).astype(dtype)
+    out = FUNCTIONS[reduce](jnp.asarray(values), ids, 41)
+    assert out.dtype == np.dtype(dtype) and out.shape == (41, 4)
+    assert_close(out, np_segment(values, ids, 41, reduce), dtype)
+    if reduce != "mean":
+        ref = getattr(jax.ops, f"segment_{reduce}")(jnp.asarray(values, jnp.float32), ids, 41)
+        empty = np.bincount(ids, minlength=41) == 0
+        ref = jnp.where(empty[:, None], 0, ref)  # jax.ops: -inf/+inf; jaxcsr: 0
+        assert_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize("reduce", list(FUNCTIONS))
+def test_axis_covers_the_last_axis_scatter(rng, reduce):
+    ids = power_law_ids(rng, 37, 9)
+    values = random_values(rng, (2, 5, 37)).astype(np.float32)
+    out = FUNCTIONS[reduce](values, ids, 9, axis=-1)
+    assert out.shape == (2, 5, 9)
+    expected = np.moveaxis(np_segment(np.moveaxis(values, -1, 0), ids, 9, reduce), 0, -1)
+    assert_close(out, expected, np.float32)
+    middle = FUNCTIONS[reduce](np.moveaxis(values, -1, 1), ids, 9, axis=1)
+    assert_close(middle, np.moveaxis(expected, -1, 1), np.float32)
+    if reduce == "sum":  # the same function as values @ A.T
+        A = jaxcsr.CSRMatrix.from_indices(ids, num_rows=9)
+        assert_close(out, jnp.asarray(values) @ A.T, np.float32)
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_arg_is_the_position_along_axis(rng, reduce):
+    ids = power_law_ids(rng, 50, 7)
+    values = random_values(rng, (3, 50)).astype(np.float32)
+    out, arg = FUNCTIONS[reduce](values, ids, 7, axis=1, return_arg=True)
+    assert arg.shape == (3, 7) and arg.dtype == np.int32
+    for b in range(3):
+        for s in range(7):
+            members = np.flatnonzero(ids == s)
+            if members.size == 0:
+                assert arg[b, s] == 50 and out[b, s] == 0
+            else:
+                pick = np.argmax if reduce == "max" else np.argmin
+                assert arg[b, s] == members[pick(values[b, members])]
+
+
+def test_num_segments_defaults_to_max_plus_one(rng):
+    ids = np.array([3, 0, 3, 1])
+    out = jaxcsr.segment_sum(jnp.arange(4.0), ids)
+    np.testing.assert_array_equal(np.asarray(out), [1.0, 3.0, 0.0, 2.0])
+    assert jaxcsr.segment_sum(jnp.zeros((0, 2)), np.zeros(0, int)).shape == (0, 2)
+
+
+def test_same_keywords_as_jax_ops(rng):
+    ids = np.sort(power_law_ids(rng, 20, 5))
+    v = random_values(rng, (20,)).astype(np.float32)
+    kwargs = dict(num_segments=5, indices_are_sorted=True, unique_indices=False, bucket_size=4)
+    ours = jaxcsr.segment_sum(data=v, segment_ids=ids, **kwargs)
+    theirs = jax.ops.segment_sum(data=v, segment_ids=ids, **kwargs)
+    assert_close(ours, theirs, np.float32)
+
+
+def test_out_of_range_ids_raise_unless_mode_says(rng):
+    ids = np.array([0, 5, 1, -1, 2])
+    v = random_values(rng, (5, 2)).astype(np.float32)
+    with pytest.raises(ValueError, match=r"segment_ids must be < num_segments = 3; segment_ids"):
+        jaxcsr.segment_sum(v, np.abs(ids), 3)
+    with pytest.raises(ValueError, match=r"segment_ids must be >= 0; segment_ids\[3\] = -1"):
+        jaxcsr.segment_max(v, ids, 6)
+    for mode in ("drop", "fill"):
+        dropped = jaxcsr.segment_sum(v, ids, 3, mode=mode)
+        assert_close(dropped, jax.ops.segment_sum(v, ids, 3, mode=mode), np.float32)
+        _, arg = jaxcsr.segment_max(v, ids, 3, mode=mode, return_arg=True)
+        assert np.all(np.asarray(arg) != 1) and np.all(np.asarray(arg) != 3)  # dropped
+    clipped = jaxcsr.segment_sum(v, ids, 3, mode="clip")
+    assert_close(clipped, jax.ops.segment_sum(v, ids, 3, mode="clip"), np.float32)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        jaxcsr.segment_sum(v, ids, 3, mode="wrap")
+
+
+def test_bad_arguments_are_named():
+    v = jnp.ones((4, 2))
+    with pytest.raises(TypeError, match="segment_ids must have an integer dtype"):
+        jaxcsr.segment_sum(v, np.ones(4), 2)
+    with pytest.raises(ValueError, match="segment_ids must be 1-D"):
+        jaxcsr.segment_sum(v, np.zeros((2, 2), int), 2)
+    with pytest.raises(ValueError, match=r"data.shape\[0\] must equal len\(segment_ids\) = 3"):
+        jaxcsr.segment_sum(v, np.zeros(3, int), 2)
+    with pytest.raises(ValueError, match="axis 2 is out of bounds"):
+        jaxcsr.segment_sum(v, np.zeros(4, int), 2, axis=2)
+    with pytest.raises(TypeError, match="num_segments must be an int"):
+        jaxcsr.segment_sum(v, np.zeros(4, int), 2.5)
+    with pytest.raises(ValueError, match="segment_ids is a traced JAX value"):
+        jax.jit(lambda ids: jaxcsr.segment_sum(v, ids, 2))(jnp.zeros(4, jnp.int32))
+    with pytest.raises(TypeError, match="logits must have a floating dtype"):
+        jaxcsr.segment_softmax(jnp.ones(4, jnp.int32), np.zeros(4, int), 1)
+
+
+def test_matrix_is_cached_by_value_and_jit_traces_once(rng):
+    ids = power_law_ids(rng, 64, 8)
+    first = jaxcsr.segment_matrix(ids, 8)
+    assert jaxcsr.segment_matrix(ids.copy(), 8) is first  # equal value, new array
+    from_jax = jaxcsr.segment_matrix(jnp.asarray(ids), 8)  # a concrete JAX array works
+    np.testing.assert_array_equal(np.asarray(from_jax.indices), np.asarray(first.indices))
+    assert jaxcsr.segment_matrix(ids, 9) is not first
+    other = ids.copy()
+    other[0] = (other[0] + 1) % 8
+    assert jaxcsr.segment_matrix(other, 8) is not first
+    traces = []
+
+    @jax.jit
+    def step(v):
+        traces.append(1)
+        return jaxcsr.segment_mean(v, ids, 8)
+
+    v = jnp.asarray(random_values(rng, (64, 3)), jnp.float32)
+    for _ in range(3):
+        assert_close(step(v), np_segment(np.asarray(v), ids, 8, "mean"), np.float32)
+    assert len(traces) == 1
+    for i in range(segment.CACHE_SIZE + 2):  # the cache is bounded
+        jaxcsr.segment_matrix(np.array([i]), i + 1)
+    assert len(segment._cache) == segment.CACHE_SIZE
+
+
+def test_gradients_and_vmap(rng):
+    ids = power_law_ids(rng, 30, 6)
+    v = jnp.asarray((rng.permutation(90).reshape(30, 3) * 0.05), jnp.float32)  # no ties
+    for reduce, fn in FUNCTIONS.items():
+        check_product_grads(lambda v, fn=fn: fn(v, ids, 6), (v,))
+        batched = jax.vmap(lambda v, fn=fn: fn(v, ids, 6))(jnp.stack([v, 2 * v]))
+        assert_close(batched[1], np_segment(2 * np.asarray(v), ids, 6, reduce), np.float32)
+
+
+# ------------------------------------------------------------ softmax family
+def np_softmax_family(x: np.ndarray, ids: np.ndarray, m: int):
+    """Float64 per-segment softmax, log-softmax, logsumexp (empty segments: 0)."""
+    x = np.asarray(x, np.float64)
+    soft, log_soft = np.zeros_like(x), np.zeros_like(x)
+    lse = np.zeros((m, *x.shape[1:]))
+    with np.errstate(invalid="ignore", divide="ignore"):
+        for s in range(m):
+            sel = ids == s
+            if not sel.any():
+                continue
+            seg = x[sel]
+            peak = seg.max(axis=0)
+            peak = np.where(np.isfinite(peak), peak, 0)
+            total = np.exp(seg - peak).sum(axis=0)
+            soft[sel] = np.exp(seg - peak) / total
+            log_soft[sel] = seg - peak - np.log(total)
+            lse[s] = np.log(total) + peak
+    return soft, log_soft, lse
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_softmax_family_matches_reference(rng, dtype):
+    ids = power_law_ids(rng, 200, 30)
+    x = (random_values(rng, (200, 3)) * 20).astype(dtype)
+    x[:5] += 1000.0  # stability: a naive exp overflows
+    soft, log_soft, lse = np_softmax_family(x, ids, 30)
+    out = jaxcsr.segment_softmax(jnp.asarray(x), ids, 30)
+    assert out.dtype == np.dtype(dtype)
+    assert_close(out, soft, dtype)
+    assert_close(jaxcsr.segment_log_softmax(jnp.asarray(x), ids, 30), log_soft, dtype)
+    assert_close(jaxcsr.segment_logsumexp(jnp.asarray(x), ids, 30), lse, dtype)
+    sums = np.zeros((30, 3))
+    np.add.at(sums, ids, np.asarray(out, np.float64))
+    nonempty = np.bincount(ids, minlength=30) > 0
+    assert_close(sums[nonempty], np.ones((nonempty.sum(), 3)), dtype)
+
+
+def test_softmax_with_infinities_and_empty_segments():
+    ids = np.array([0, 0, 2, 2, 3, 3])
+    x = np.array([1.0, -np.inf, -np.inf, -np.inf, 2.0, 5.0], np.float32)
+    soft = np.asarray(jaxcsr.segment_softmax(x, ids, 5))
+    assert soft[0] == 1.0 and soft[1] == 0.0  # -inf gets probability 0
+    assert np.isnan(soft[2:4]).all()  # all -inf: NaN, as jax.nn.softmax
+    np.testing.assert_allclose(soft[4:], np.asarray(jax.nn.softmax(x[4:])), rtol=1e-6)
+    lse = np.asarray(jaxcsr.segment_logsumexp(x, ids, 5))
+    np.testing.assert_array_equal(lse[[1, 4]], [0.0, 0.0])  # empty segments
+    assert lse[2] == -np.inf and lse[0] == 1.0
+    np.testing.assert_allclose(lse[3], float(jax.nn.logsumexp(x[4:])), rtol=1e-6)
+
+
+def test_softmax_family_gradients(rng):
+    ids = power_law_ids(rng, 40, 7)
+    x = jnp.asarray(random_values(rng, (40, 2)), jnp.float32)
+    for fn in (jaxcsr.segment_softmax, jaxcsr.segment_log_softmax, jaxcsr.segment_logsumexp):
+        check_product_grads(lambda x, fn=fn: fn(x, ids, 7), (x,))
+    # the gradient of logsumexp is the softmax
+    g = jax.grad(lambda x: jnp.sum(jaxcsr.segment_logsumexp(x, ids, 7)))(x)
+    assert_close(g, jaxcsr.segment_softmax(x, ids, 7), np.float32)
