@@ -11,6 +11,13 @@ Workloads (``E`` edges, ``V`` nodes, ``N`` features):
 ``spmm``      ``Â @ X`` with the GCN-normalised adjacency ``Â`` and ``X (V, N)``: includes
               the gather of ``X[src]``.
 ``last_axis`` ``values @ A.T`` with values ``(N, E)``: scatter-add along the last axis.
+``segment_mean`` / ``segment_max``  ``matmul(A, messages, reduce="mean"/"max")``. The
+              peer columns hold the same library's op for that reduce:
+              ``segment_sum``/``segment_sum_sorted`` run ``jax.ops.segment_max``
+              (mean: ``jax.ops.segment_sum`` divided by the host-counted degrees),
+              ``torch_scatter_reduce`` runs ``scatter_reduce_("mean"/"amax",
+              include_self=False)``; jax.ops' ``-inf`` in empty segments is mapped to
+              jaxcsr's 0 before the check (untimed).
 
 Passes: ``fwd``; ``bwd`` (cotangent for the dense operand); ``bwd_data`` (cotangent
 for the matrix values, ``spmm`` only). Backward thunks run only the backward
@@ -31,6 +38,7 @@ import numpy as np
 import scipy.sparse as sp
 from jax.experimental import sparse as jsparse
 
+import jaxcsr
 from benchmarks.datasets import Graph
 from jaxcsr import CSRMatrix
 
@@ -49,7 +57,7 @@ PEERS = (
     "torch_scatter_reduce",
     "torch_sparse_csr",
 )
-WORKLOADS = ("segment", "spmm", "last_axis")
+WORKLOADS = ("segment", "spmm", "last_axis", "segment_mean", "segment_max")
 INDEX_BYTES = 4
 
 
@@ -137,7 +145,7 @@ def build_cases(
     seg_scipy_t = seg_scipy.T.tocsr()
     A = CSRMatrix.from_indices(graph.dst, num_rows=V)
 
-    if "segment" in workloads or "last_axis" in workloads:
+    if workloads_need_messages(workloads):
         msgs_np = rng.uniform(-1, 1, (E, N)).astype(np.float32)
         ct_np = rng.uniform(-1, 1, (V, N)).astype(np.float32)
         msgs = jnp.asarray(msgs_np, dtype)
@@ -180,6 +188,12 @@ def build_cases(
         # segment_sum_sorted's backward is in sorted edge order
         unsort = np.argsort(order)
         yield case("segment", "bwd", io, bwd, {"segment_sum_sorted": lambda y: y[unsort]})
+
+    for reduce in ("mean", "max"):
+        if f"segment_{reduce}" in workloads:
+            yield from _reduce_cases(
+                case, reduce, A, graph, dst, dst_sorted, order, msgs, ct, msgs_np, dtype, use_torch
+            )
 
     if "last_axis" in workloads:
         vals = msgs.T  # (N, E)
@@ -267,3 +281,56 @@ def build_cases(
         bwd_data = {k: _bind(_vjp(fn, data), data, ct) for k, fn in g.items()}
         io = 2 * V * N * b + nnz * (2 * INDEX_BYTES + b)
         yield case("spmm", "bwd_data", io, bwd_data)
+
+
+def workloads_need_messages(workloads) -> bool:
+    return bool({"segment", "last_axis", "segment_mean", "segment_max"} & set(workloads))
+
+
+def _reduce_cases(
+    case, reduce, A, graph, dst, dst_sorted, order, msgs, ct, msgs_np, dtype, use_torch
+) -> Iterator[Case]:
+    """``segment_mean`` / ``segment_max`` cells: fwd and bwd (dense operand)."""
+    V, E = graph.num_nodes, graph.num_edges
+    N = msgs.shape[1]
+    counts = np.bincount(graph.dst, minlength=V)
+    empty = counts == 0
+    inverse_degree = jnp.asarray(1.0 / np.maximum(counts, 1), jnp.float32)[:, None]
+
+    def by_degree(total):
+        return (total.astype(jnp.float32) * inverse_degree).astype(total.dtype)
+
+    if reduce == "mean":
+        f = {
+            "jaxcsr": lambda m: jaxcsr.matmul(A, m, reduce="mean"),
+            "segment_sum": lambda m: by_degree(jax.ops.segment_sum(m, dst, V)),
+        }
+        fsorted = lambda m: by_degree(  # noqa: E731
+            jax.ops.segment_sum(m, dst_sorted, V, indices_are_sorted=True)
+        )
+        fix = {}
+    else:
+        f = {
+            "jaxcsr": lambda m: jaxcsr.matmul(A, m, reduce="max"),
+            "segment_sum": lambda m: jax.ops.segment_max(m, dst, V),
+        }
+        fsorted = lambda m: jax.ops.segment_max(m, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
+        zero_empty = lambda y: np.where(empty[:, None], 0, y)  # noqa: E731
+        fix = {"segment_sum": zero_empty, "segment_sum_sorted": zero_empty}
+    msgs_sorted = msgs[order]
+    fwd = {k: _bind(jax.jit(fn), msgs) for k, fn in f.items()}
+    fwd["segment_sum_sorted"] = _bind(jax.jit(fsorted), msgs_sorted)
+    bwd = {k: _bind(_vjp(fn, msgs), msgs, ct) for k, fn in f.items()}
+    bwd["segment_sum_sorted"] = _bind(_vjp(fsorted, msgs_sorted), msgs_sorted, ct)
+    if use_torch:
+        tm = _to_torch(msgs_np, dtype)
+        tdst_x = torch.from_numpy(graph.dst)[:, None].expand(E, N)
+        op = "mean" if reduce == "mean" else "amax"
+        fwd["torch_scatter_reduce"] = lambda: torch.zeros(V, N, dtype=tm.dtype).scatter_reduce_(
+            0, tdst_x, tm, op, include_self=False
+        )
+    b = np.dtype(dtype).itemsize
+    io = E * N * b + V * N * b + E * INDEX_BYTES
+    yield case(f"segment_{reduce}", "fwd", io, fwd, fix)
+    unsort = np.argsort(order)
+    yield case(f"segment_{reduce}", "bwd", io, bwd, {"segment_sum_sorted": lambda y: y[unsort]})

@@ -246,6 +246,12 @@ def test_segment_csr_and_coo_vectors(case, reduce, dtype):
     # segment_* reduce along the index's last dim into len(indptr) - 1 segments
     result = run_scatter(src, index, index.ndim - 1, reduce, indptr.shape[-1] - 1)
     check(result, case, reduce, dtype)
+    if indptr.ndim == 1:  # segment_csr itself: the CSR matrix over src's rows
+        A = jaxcsr.CSRMatrix.from_arrays(
+            indptr, np.arange(src.shape[0]), shape=(indptr.size - 1, src.shape[0])
+        )
+        extreme = reduce in ("min", "max")
+        check(jaxcsr.matmul(A, src, reduce=reduce, return_arg=extreme), case, reduce, dtype)
 
 
 def test_mul_is_not_a_jaxcsr_reduce():
