@@ -9,7 +9,8 @@ torch; nothing to install). In one process it
 3. times forward and backward (medians over ``--repeats`` with
    ``block_until_ready`` / ``torch.cuda.synchronize``) for jaxcsr (Pallas and XLA
    paths), ``jax.ops.segment_sum`` (unsorted and sorted), BCSR with the cuSPARSE
-   lowering, and torch (``sparse_csr`` mm = cuSPARSE, ``index_add_``);
+   lowering, and torch (``sparse_csr`` mm = cuSPARSE, ``index_add_``); and the
+   ``reduce="max"`` kernel against ``jax.ops.segment_max``;
 4. prints one table with achieved GB/s and % of copy bandwidth and writes
    ``gpu_results.json`` and ``gpu_results.md`` to ``--out``.
 
@@ -146,6 +147,15 @@ def _cases(graph, n, dtype, rng, interpret, use_torch):
     yield "segment", "bwd", seg_bytes, seg_systems_b
     yield "spmm", "fwd", spmm_bytes, spmm_f
     yield "spmm", "bwd", spmm_bytes, spmm_b
+    # the max semiring in the same kernel (jax.ops leaves -inf in empty segments,
+    # jaxcsr 0: its error column is not comparable there; Pallas vs XLA is checked)
+    seg_max = {
+        "jaxcsr_pallas": lambda m: matmul(A, m, reduce="max", **pallas),
+        "jaxcsr_xla": lambda m: matmul(A, m, reduce="max", impl="xla"),
+        "segment_max": lambda m: jax.ops.segment_max(m, dst, V),
+    }
+    yield "segment_max", "fwd", seg_bytes, {k: fwd(f, msgs) for k, f in seg_max.items()}
+    yield "segment_max", "bwd", seg_bytes, {k: vjp(f, msgs, ct) for k, f in seg_max.items()}
 
 
 def main(argv=None) -> dict:

@@ -275,14 +275,16 @@ def spmm_extreme(
 ) -> jax.Array:
     """``out[i] = max_k data[k] * x[indices[k]]`` over row ``i``'s nonzeros (or ``min``).
 
-    Same strategies as :func:`spmm` with the ``(+, *)`` semiring swapped for
+    The structure classes of :func:`spmm` with the ``(+, *)`` semiring swapped for
     ``(max, *)``/``(min, *)``: a scatter-max in input order for at most one nonzero
-    per column, a row gather for at most one per row, else a sorted segment max of
-    the gathered products (jaxlib's CSR kernel only sums). NaN propagates (XLA's
-    max/min do). Empty rows are 0.
+    per column (sorted when the ids were, ``strategy == "csr_kernel"``), a row gather
+    for at most one per row, else a sorted segment max of the gathered products
+    (jaxlib's CSR kernel only sums). 16-bit floats are reduced in float32, which is
+    exact (rounding is monotone) and several times faster on XLA:CPU. NaN propagates
+    (XLA's max/min do). Empty rows are 0.
 
     Returns:
-      ``(m, F)`` in the product dtype (max/min are exact: no wider accumulator).
+      ``(m, F)`` in the product dtype.
     """
     if reduce not in EXTREMES:
         raise ValueError(f"reduce must be one of {EXTREMES}, got {reduce!r}")
@@ -292,26 +294,24 @@ def spmm_extreme(
     f = x.shape[1]
     if m == 0 or f == 0 or nnz == 0:
         return jnp.zeros((m, f), dtype)
-    if strategy == "scatter" and pattern.row_of_col is not None:
-        values = x
+    acc = accumulation_dtype(dtype)
+    if pattern.row_of_col is not None:
+        values = x.astype(acc)
         if data is not None:
-            acc = accumulation_dtype(dtype)
             weights = _data_by_column(data, pattern, nnz).astype(acc)
-            values = (x.astype(acc) * weights[:, None]).astype(dtype)
+            values = (values * weights[:, None]).astype(dtype).astype(acc)
         out = _segment_extreme(
-            values.astype(dtype), pattern.row_of_col, m, reduce, indices_are_sorted=False
+            values, pattern.row_of_col, m, reduce, indices_are_sorted=strategy == "csr_kernel"
         )
-    elif strategy == "gather" and pattern.col_of_row is not None:
+    elif pattern.col_of_row is not None:
         out = x.at[pattern.col_of_row].get(mode="fill", fill_value=0)
         if data is not None:
-            acc = accumulation_dtype(dtype)
             weights = _data_by_row(data, pattern, nnz).astype(acc)
             out = out.astype(acc) * weights[:, None]
-        out = out.astype(dtype)
     else:
-        out = _segment_extreme(
-            entry_values(x, data, pattern), row_ids(pattern), m, reduce, indices_are_sorted=True
-        )
+        values = entry_values(x, data, pattern).astype(acc)
+        out = _segment_extreme(values, row_ids(pattern), m, reduce, indices_are_sorted=True)
+    out = out.astype(dtype)
     return jnp.where(row_degrees(pattern)[:, None] > 0, out, jnp.zeros((), dtype))
 
 
@@ -322,7 +322,9 @@ def extreme_positions(
 
     Ties go to the first position in CSR order (the smallest column for every
     constructor but ``from_arrays``); a NaN result points at the row's first NaN.
-    Empty rows get the sentinel ``nnz``.
+    Empty rows get the sentinel ``nnz``. With at most one nonzero per column (every
+    ``from_indices`` matrix) the search runs over X's rows in input order, with no
+    gather of X; otherwise over the gathered products.
 
     Args:
       x, data, pattern: the product's operands.
@@ -336,13 +338,32 @@ def extreme_positions(
     nnz = pattern.indices.shape[0]
     if nnz == 0 or m == 0 or f == 0:
         return jnp.full((m, f), nnz, jnp.int32)
+    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
+    if pattern.row_of_col is not None:  # search the columns, in input order
+        n = x.shape[0]
+        values = x.astype(dtype)
+        if data is not None:
+            acc = accumulation_dtype(dtype)
+            weights = _data_by_column(data, pattern, nnz).astype(acc)
+            values = (x.astype(acc) * weights[:, None]).astype(dtype)
+        rows = pattern.row_of_col  # m for an empty column: dropped by the segment_min
+        first = _first_hit(values, out.astype(dtype)[jnp.minimum(rows, m - 1)], rows, m, False)
+        nonempty_column = pattern.t_indptr[:-1].clip(max=nnz - 1)
+        position_of_column = jnp.append(pattern.t_perm[nonempty_column], nnz).astype(jnp.int32)
+        return position_of_column[jnp.minimum(first, n)]
     values = entry_values(x, data, pattern)
     rows = row_ids(pattern)
-    target = out.astype(values.dtype)[rows]
+    return jnp.minimum(_first_hit(values, out.astype(dtype)[rows], rows, m, True), nnz)
+
+
+def _first_hit(values, target, rows, m, indices_are_sorted) -> jax.Array:
+    """Smallest index ``k`` per (row, feature) with ``values[k] == target[k]``.
+
+    Rows with no hit hold the int32 maximum; NaN matches NaN.
+    """
     hit = values == target
     if jnp.issubdtype(values.dtype, jnp.inexact):
         hit = hit | (jnp.isnan(values) & jnp.isnan(target))
-    position = jnp.arange(nnz, dtype=jnp.int32)[:, None]
-    candidates = jnp.where(hit, position, jnp.int32(nnz))
-    first = jax.ops.segment_min(candidates, rows, m, indices_are_sorted=True)
-    return jnp.minimum(first, nnz)  # empty rows hold int32 max
+    index = jnp.arange(values.shape[0], dtype=jnp.int32)[:, None]
+    candidates = jnp.where(hit, index, jnp.iinfo(jnp.int32).max)
+    return jax.ops.segment_min(candidates, rows, m, indices_are_sorted=indices_are_sorted)
