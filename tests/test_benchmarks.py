@@ -32,6 +32,10 @@ def test_quick_benchmark_writes_checked_results(tmp_path, capsys):
         ("spmm", "fwd"),
         ("spmm", "bwd"),
         ("spmm", "bwd_data"),
+        ("segment_mean", "fwd"),
+        ("segment_mean", "bwd"),
+        ("segment_max", "fwd"),
+        ("segment_max", "bwd"),
     }
     for row in rows:
         assert row["systems"]["jaxcsr"]["median_s"] > 0

@@ -52,6 +52,22 @@ def test_segment_sum_with_one_heavy_row(rng, dtype, n_features):
     assert np.all(np.asarray(out[12], np.float32) == 0)  # empty row
 
 
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_max_min_across_split_rows(rng, reduce):
+    """A row split over many work items: partial maxima meet in the atomics."""
+    idx = _one_heavy_row_ids(rng, 300, 13)
+    A = CSRMatrix.from_indices(idx, num_rows=13)
+    v = random_values(rng, (300, 5)).astype(np.float32)
+    v[idx == 6, 0] = -1e30  # the heavy row's column 0: all very negative but one
+    v[np.flatnonzero(idx == 6)[200], 0] = 3.0
+    out = jaxcsr.matmul(A, v, reduce=reduce, impl="pallas_gpu", interpret=True)
+    pick = np.max if reduce == "max" else np.min
+    for r in range(13):
+        members = v[idx == r]
+        expected = pick(members, axis=0) if len(members) else np.zeros(5)
+        np.testing.assert_array_equal(np.asarray(out[r]), expected.astype(np.float32))
+
+
 @pytest.mark.parametrize("kind", ["power_law", "empty_rows", "empty"])
 def test_general_matrix_with_values(rng, kind):
     mat = random_csr(rng, 21, 17, kind)
@@ -145,6 +161,8 @@ def test_gpu_benchmark_script_smoke(tmp_path):
         ("segment", "bwd"),
         ("spmm", "fwd"),
         ("spmm", "bwd"),
+        ("segment_max", "fwd"),
+        ("segment_max", "bwd"),
     }
     for row in result["rows"]:
         assert row["systems"]["jaxcsr_xla"]["rel_error_vs_pallas"] <= 1e-4
