@@ -147,16 +147,33 @@ def _prepare(data: Any, segment_ids: Any, num_segments, mode, axis) -> tuple:
     return A, jnp.moveaxis(data, axis, 0), axis
 
 
-def _reduce(data, segment_ids, num_segments, mode, axis, reduce, return_arg=False, impl=None):
-    A, x, axis = _prepare(data, segment_ids, num_segments, mode, axis)
-    result = matmul(A, x, reduce=reduce, return_arg=return_arg, impl=impl)
-    if return_arg:
-        out, arg = result
-        return jnp.moveaxis(out, 0, axis), jnp.moveaxis(arg, 0, axis)
-    return jnp.moveaxis(result, 0, axis)
+def _segment_reduction(reduce: str, summary: str, example: str):
+    """Builds ``segment_<reduce>`` with ``jax.ops``' signature plus ``axis``."""
 
+    def reduction(
+        data: Any,
+        segment_ids: Any,
+        num_segments: int | None = None,
+        indices_are_sorted: bool = False,
+        unique_indices: bool = False,
+        bucket_size: int | None = None,
+        mode: str | None = None,
+        *,
+        axis: int = 0,
+        return_arg: bool = False,
+        impl: str | None = None,
+    ) -> Any:
+        del indices_are_sorted, unique_indices, bucket_size  # the plan knows
+        A, x, axis = _prepare(data, segment_ids, num_segments, mode, axis)
+        result = matmul(A, x, reduce=reduce, return_arg=return_arg, impl=impl)
+        if return_arg:
+            out, arg = result
+            return jnp.moveaxis(out, 0, axis), jnp.moveaxis(arg, 0, axis)
+        return jnp.moveaxis(result, 0, axis)
 
-_SIGNATURE_DOC = """
+    reduction.__name__ = reduction.__qualname__ = f"segment_{reduce}"
+    reduction.__doc__ = f"""{summary}
+
     Args:
       data: array whose ``axis`` has length ``len(segment_ids)``.
       segment_ids: concrete 1-D integer array of segment ids (see
@@ -166,115 +183,47 @@ _SIGNATURE_DOC = """
         compatibility with ``jax.ops`` and ignored: the host plan knows.
       mode: one of :data:`MODES`; the default raises on out-of-range ids.
       axis: the segmented axis of ``data`` (``jax.ops`` always uses 0).
+      return_arg: max/min only (``ValueError`` otherwise): also return the position
+        along ``axis`` of each extreme (ties: the first position; empty segments:
+        ``len(segment_ids)``). Gradients flow to those positions only.
       impl: forwarded to :func:`jaxcsr.matmul`.
-"""
-
-
-def segment_sum(
-    data: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    indices_are_sorted: bool = False,
-    unique_indices: bool = False,
-    bucket_size: int | None = None,
-    mode: str | None = None,
-    *,
-    axis: int = 0,
-    impl: str | None = None,
-) -> jax.Array:
-    """Sum of ``data`` over segments along ``axis``; empty segments are 0.
 
     Example:
-      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+{example}
+    """
+    return reduction
+
+
+segment_sum = _segment_reduction(
+    "sum",
+    "Sum of ``data`` over segments along ``axis``; empty segments are 0.",
+    """      >>> import numpy as np, jax.numpy as jnp, jaxcsr
       >>> jaxcsr.segment_sum(jnp.arange(5.0), np.array([0, 2, 2, 1, 0]), 4)
-      Array([4., 3., 3., 0.], dtype=float32)
-    """
-    del indices_are_sorted, unique_indices, bucket_size
-    return _reduce(data, segment_ids, num_segments, mode, axis, "sum", impl=impl)
-
-
-def segment_mean(
-    data: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    indices_are_sorted: bool = False,
-    unique_indices: bool = False,
-    bucket_size: int | None = None,
-    mode: str | None = None,
-    *,
-    axis: int = 0,
-    impl: str | None = None,
-) -> jax.Array:
-    """Mean of ``data`` over segments; empty segments are 0, integers floor-divide.
-
-    Example:
-      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      Array([4., 3., 3., 0.], dtype=float32)""",
+)
+segment_mean = _segment_reduction(
+    "mean",
+    "Mean of ``data`` over segments; empty segments are 0, integers floor-divide.",
+    """      >>> import numpy as np, jax.numpy as jnp, jaxcsr
       >>> jaxcsr.segment_mean(jnp.arange(5.0), np.array([0, 2, 2, 1, 0]), 4)
-      Array([2. , 3. , 1.5, 0. ], dtype=float32)
-    """
-    del indices_are_sorted, unique_indices, bucket_size
-    return _reduce(data, segment_ids, num_segments, mode, axis, "mean", impl=impl)
-
-
-def segment_max(
-    data: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    indices_are_sorted: bool = False,
-    unique_indices: bool = False,
-    bucket_size: int | None = None,
-    mode: str | None = None,
-    *,
-    axis: int = 0,
-    return_arg: bool = False,
-    impl: str | None = None,
-) -> Any:
-    """Maximum of ``data`` over segments; empty segments are 0 (not ``-inf``).
-
-    With ``return_arg=True`` also returns the position along ``axis`` of each
-    maximum (ties: the first position; empty segments: ``len(segment_ids)``).
-    Gradients flow to those positions only. NaN propagates.
-
-    Example:
-      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      Array([2. , 3. , 1.5, 0. ], dtype=float32)""",
+)
+segment_max = _segment_reduction(
+    "max",
+    "Maximum of ``data`` over segments; empty segments are 0 (not ``-inf``). NaN propagates.",
+    """      >>> import numpy as np, jax.numpy as jnp, jaxcsr
       >>> x = jnp.array([1.0, 3.0, 2.0, 4.0, 5.0, 6.0])
       >>> jaxcsr.segment_max(x, np.array([0, 1, 0, 1, 1, 3]), 4, return_arg=True)
-      (Array([2., 5., 0., 6.], dtype=float32), Array([2, 4, 6, 5], dtype=int32))
-    """
-    del indices_are_sorted, unique_indices, bucket_size
-    return _reduce(data, segment_ids, num_segments, mode, axis, "max", return_arg, impl)
-
-
-def segment_min(
-    data: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    indices_are_sorted: bool = False,
-    unique_indices: bool = False,
-    bucket_size: int | None = None,
-    mode: str | None = None,
-    *,
-    axis: int = 0,
-    return_arg: bool = False,
-    impl: str | None = None,
-) -> Any:
-    """Minimum of ``data`` over segments; empty segments are 0 (not ``+inf``).
-
-    ``return_arg`` as in :func:`segment_max`.
-
-    Example:
-      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      (Array([2., 5., 0., 6.], dtype=float32), Array([2, 4, 6, 5], dtype=int32))""",
+)
+segment_min = _segment_reduction(
+    "min",
+    "Minimum of ``data`` over segments; empty segments are 0 (not ``+inf``). NaN propagates.",
+    """      >>> import numpy as np, jax.numpy as jnp, jaxcsr
       >>> x = jnp.array([1.0, 3.0, 2.0, 4.0, 5.0, 6.0])
       >>> jaxcsr.segment_min(x, np.array([0, 1, 0, 1, 1, 3]), 4)
-      Array([1., 3., 0., 6.], dtype=float32)
-    """
-    del indices_are_sorted, unique_indices, bucket_size
-    return _reduce(data, segment_ids, num_segments, mode, axis, "min", return_arg, impl)
-
-
-for _fn in (segment_sum, segment_mean, segment_max, segment_min):
-    _head, _sep, _example = _fn.__doc__.partition("\n    Example:")
-    _fn.__doc__ = _head.rstrip() + "\n" + _SIGNATURE_DOC + _sep + _example
+      Array([1., 3., 0., 6.], dtype=float32)""",
+)
 
 
 # ------------------------------------------------------------ softmax family

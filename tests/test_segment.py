@@ -127,6 +127,8 @@ def test_bad_arguments_are_named():
         jaxcsr.segment_sum(v, np.zeros(4, int), 2.5)
     with pytest.raises(ValueError, match="segment_ids is a traced JAX value"):
         jax.jit(lambda ids: jaxcsr.segment_sum(v, ids, 2))(jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match="return_arg=True needs reduce='max' or 'min'"):
+        jaxcsr.segment_mean(v, np.zeros(4, int), 2, return_arg=True)
     with pytest.raises(TypeError, match="logits must have a floating dtype"):
         jaxcsr.segment_softmax(jnp.ones(4, jnp.int32), np.zeros(4, int), 1)
 
