@@ -141,7 +141,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     rows: list[dict[str, Any]] = []
     per_graph = len(args.features) * len(args.dtypes)
-    passes = {"segment": 2, "last_axis": 2, "spmm": 3, "segment_mean": 2, "segment_max": 2}
+    passes = {
+        "segment": 2,
+        "last_axis": 2,
+        "spmm": 3,
+        "segment_mean": 2,
+        "segment_max": 2,
+        "segment_softmax": 2,
+    }
     total = len(args.graphs) * per_graph * sum(passes[w] for w in args.workloads)
     for graph_name in args.graphs:
         graph = load_graph(graph_name)

@@ -18,6 +18,11 @@ Workloads (``E`` edges, ``V`` nodes, ``N`` features):
               ``torch_scatter_reduce`` runs ``scatter_reduce_("mean"/"amax",
               include_self=False)``; jax.ops' ``-inf`` in empty segments is mapped to
               jaxcsr's 0 before the check (untimed).
+``segment_softmax``  ``jaxcsr.segment_softmax(logits, dst, V)`` with logits ``(E, N)``
+              (GNN attention over incoming edges) vs the jax.ops idiom
+              ``exp(x - segment_max(x)[dst]) / segment_sum(...)[dst]`` (sorted and
+              unsorted ids) and the same composition in torch (``scatter_reduce_("amax")``,
+              ``index_select``, ``index_add_``) in the ``torch_index_add`` column.
 
 Passes: ``fwd``; ``bwd`` (cotangent for the dense operand); ``bwd_data`` (cotangent
 for the matrix values, ``spmm`` only). Backward thunks run only the backward
@@ -57,7 +62,7 @@ PEERS = (
     "torch_scatter_reduce",
     "torch_sparse_csr",
 )
-WORKLOADS = ("segment", "spmm", "last_axis", "segment_mean", "segment_max")
+WORKLOADS = ("segment", "spmm", "last_axis", "segment_mean", "segment_max", "segment_softmax")
 INDEX_BYTES = 4
 
 
@@ -189,6 +194,12 @@ def build_cases(
         unsort = np.argsort(order)
         yield case("segment", "bwd", io, bwd, {"segment_sum_sorted": lambda y: y[unsort]})
 
+    if "segment_softmax" in workloads:
+        ct_e = jnp.asarray(rng.uniform(-1, 1, (E, N)), dtype)
+        yield from _softmax_cases(
+            case, graph, dst, dst_sorted, order, msgs, ct_e, msgs_np, dtype, use_torch
+        )
+
     for reduce in ("mean", "max"):
         if f"segment_{reduce}" in workloads:
             yield from _reduce_cases(
@@ -284,7 +295,54 @@ def build_cases(
 
 
 def workloads_need_messages(workloads) -> bool:
-    return bool({"segment", "last_axis", "segment_mean", "segment_max"} & set(workloads))
+    return bool(
+        {"segment", "last_axis", "segment_mean", "segment_max", "segment_softmax"} & set(workloads)
+    )
+
+
+def _jax_ops_softmax(x, ids, num_segments, *, indices_are_sorted=False):
+    """The stable segment softmax users write with ``jax.ops``."""
+    kw = dict(indices_are_sorted=indices_are_sorted)
+    peak = jax.ops.segment_max(jax.lax.stop_gradient(x), ids, num_segments, **kw)
+    e = jnp.exp(x - peak[ids])
+    return e / jax.ops.segment_sum(e, ids, num_segments, **kw)[ids]
+
+
+def _softmax_cases(case, graph, dst, dst_sorted, order, msgs, ct_e, msgs_np, dtype, use_torch):
+    """``segment_softmax`` cells: fwd and bwd, outputs per edge (input order)."""
+    V, E = graph.num_nodes, graph.num_edges
+    N = msgs.shape[1]
+    ids = graph.dst
+    f = {
+        "jaxcsr": lambda x: jaxcsr.segment_softmax(x, ids, V),
+        "segment_sum": lambda x: _jax_ops_softmax(x, dst, V),
+    }
+    fsorted = lambda x: _jax_ops_softmax(x, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
+    msgs_sorted = msgs[order]
+    unsort = np.argsort(order)
+    fwd = {k: _bind(jax.jit(fn), msgs) for k, fn in f.items()}
+    fwd["segment_sum_sorted"] = _bind(jax.jit(fsorted), msgs_sorted)
+    bwd = {k: _bind(_vjp(fn, msgs), msgs, ct_e) for k, fn in f.items()}
+    bwd["segment_sum_sorted"] = _bind(_vjp(fsorted, msgs_sorted), msgs_sorted, ct_e[order])
+    if use_torch:
+        tm = _to_torch(msgs_np, dtype)
+        tdst = torch.from_numpy(graph.dst)
+        tdst_x = tdst[:, None].expand(E, N)
+
+        def torch_softmax():
+            peak = torch.zeros(V, N, dtype=tm.dtype).scatter_reduce_(
+                0, tdst_x, tm, "amax", include_self=False
+            )
+            e = torch.exp(tm - peak.index_select(0, tdst))
+            total = torch.zeros(V, N, dtype=tm.dtype).index_add_(0, tdst, e)
+            return e / total.index_select(0, tdst)
+
+        fwd["torch_index_add"] = torch_softmax
+    b = np.dtype(dtype).itemsize
+    io = 2 * E * N * b + E * INDEX_BYTES  # logits in, probabilities out
+    fix = {"segment_sum_sorted": lambda y: y[unsort]}
+    yield case("segment_softmax", "fwd", io, fwd, fix)
+    yield case("segment_softmax", "bwd", io + E * N * b, bwd, fix)
 
 
 def _reduce_cases(

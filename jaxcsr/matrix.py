@@ -122,7 +122,13 @@ class CSRMatrix:
         s_t = plan.plan_structure(t.indptr, t.indices, (shape[1], shape[0]))
 
         def put(a):
-            return None if a is None else jnp.asarray(a)
+            # Concrete device arrays even when called under a trace (e.g. the first
+            # jaxcsr.segment_sum inside jax.jit): the structure is host data, and a
+            # cached matrix must not hold one trace's tracers.
+            if a is None:
+                return None
+            with jax.ensure_compile_time_eval():
+                return jnp.asarray(a)
 
         pattern = Pattern(
             put(indptr),

@@ -36,6 +36,8 @@ def test_quick_benchmark_writes_checked_results(tmp_path, capsys):
         ("segment_mean", "bwd"),
         ("segment_max", "fwd"),
         ("segment_max", "bwd"),
+        ("segment_softmax", "fwd"),
+        ("segment_softmax", "bwd"),
     }
     for row in rows:
         assert row["systems"]["jaxcsr"]["median_s"] > 0

@@ -159,6 +159,18 @@ def test_matrix_is_cached_by_value_and_jit_traces_once(rng):
     assert len(segment._cache) == segment.CACHE_SIZE
 
 
+def test_first_call_inside_jit_caches_no_tracer(rng):
+    """The matrix planned during a trace is reused by later traces (no leaked tracer)."""
+    ids = power_law_ids(rng, 33, 5) + 1000  # ids no other test uses: not cached yet
+    v = jnp.asarray(random_values(rng, (33, 2)), jnp.float32)
+    first = jax.jit(lambda v: jaxcsr.segment_max(v, ids, 1005))(v)
+    A = jaxcsr.segment_matrix(ids, 1005)
+    assert all(not isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(A))
+    second = jax.jit(jax.grad(lambda v: jnp.sum(jaxcsr.segment_max(v, ids, 1005))))(v)
+    assert_close(first, np_segment(np.asarray(v), ids, 1005, "max"), np.float32)
+    assert float(jnp.sum(second)) == float(np.sum(np.bincount(ids, minlength=1005) > 0) * 2)
+
+
 def test_gradients_and_vmap(rng):
     ids = power_law_ids(rng, 30, 6)
     v = jnp.asarray((rng.permutation(90).reshape(30, 3) * 0.05), jnp.float32)  # no ties
