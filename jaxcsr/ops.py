@@ -347,7 +347,7 @@ def _jvp(primals, tangents, *, info: MatmulInfo, **params):
     x_dot, data_dot, _ = _unpack(tangents, info)
     out = _bind(x, data, pattern, info, **params)
     if params["reduce"] != "sum":
-        return out, _extreme_tangent(x, data, pattern, out, x_dot, data_dot)
+        return out, _extreme_tangent(x, data, pattern, out, x_dot, data_dot, info, params)
     parts = []
     if type(x_dot) is not ad.Zero:
         parts.append(_bind(x_dot, data, pattern, info, **params))
@@ -359,13 +359,28 @@ def _jvp(primals, tangents, *, info: MatmulInfo, **params):
     return out, tangent.astype(out.dtype)
 
 
-def _extreme_tangent(x, data, pattern: Pattern, out, x_dot, data_dot) -> jax.Array:
-    """Tangent of a max/min: the input tangents gathered at the attaining entries."""
+def _extreme_tangent(
+    x, data, pattern: Pattern, out, x_dot, data_dot, info: MatmulInfo, params
+) -> jax.Array:
+    """Tangent of a max/min: the input tangents taken at the attaining entries."""
     nnz = pattern.indices.shape[0]
     x_live = type(x_dot) is not ad.Zero
     data_live = data_dot is not None and type(data_dot) is not ad.Zero
     if nnz == 0 or not (x_live or data_live):
         return jnp.zeros_like(out)
+    sum_params = {**params, "reduce": "sum"}
+    if pattern.row_of_col is not None:
+        # <= 1 nonzero per column (from_indices): the tangent is a masked sum,
+        # A @ (mask * x_dot), whose transpose is a row gather times the mask.
+        mask = jax.lax.stop_gradient(xla_kernels.extreme_column_mask(x, data, pattern, out))
+        tangent = jnp.zeros(out.shape, out.dtype)
+        if x_live:
+            masked = jnp.where(mask, x_dot, jnp.zeros((), x_dot.dtype))
+            tangent = tangent + _bind(masked, data, pattern, info, **sum_params)
+        if data_live:
+            masked = jnp.where(mask, x, jnp.zeros((), x.dtype))
+            tangent = tangent + _bind(masked, data_dot, pattern, info, **sum_params)
+        return tangent.astype(out.dtype)
     position = jax.lax.stop_gradient(xla_kernels.extreme_positions(x, data, pattern, out))
     valid = position < nnz
     position = jnp.minimum(position, nnz - 1)

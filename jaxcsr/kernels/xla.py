@@ -345,19 +345,51 @@ def extreme_positions(
     dtype = product_dtype(x.dtype, None if data is None else data.dtype)
     if pattern.row_of_col is not None:  # search the columns, in input order
         n = x.shape[0]
-        values = x.astype(dtype)
-        if data is not None:
-            acc = accumulation_dtype(dtype)
-            weights = _data_by_column(data, pattern, nnz).astype(acc)
-            values = (x.astype(acc) * weights[:, None]).astype(dtype)
-        rows = pattern.row_of_col  # m for an empty column: dropped by the segment_min
-        first = _first_hit(values, out.astype(dtype)[jnp.minimum(rows, m - 1)], rows, m, False)
+        first = _first_column_hit(x, data, pattern, out)
         nonempty_column = pattern.t_indptr[:-1].clip(max=nnz - 1)
         position_of_column = jnp.append(pattern.t_perm[nonempty_column], nnz).astype(jnp.int32)
         return position_of_column[jnp.minimum(first, n)]
     values = entry_values(x, data, pattern)
     rows = row_ids(pattern)
     return jnp.minimum(_first_hit(values, out.astype(dtype)[rows], rows, m, True), nnz)
+
+
+def _first_column_hit(x, data, pattern: Pattern, out: jax.Array) -> jax.Array:
+    """For <= 1 nonzero per column: the first column attaining ``out`` per (row, feature).
+
+    ``(m, F)`` int32; rows without a hit (empty rows) hold the int32 maximum.
+    """
+    m = out.shape[0]
+    nnz = pattern.indices.shape[0]
+    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
+    values = x.astype(dtype)
+    if data is not None:
+        acc = accumulation_dtype(dtype)
+        weights = _data_by_column(data, pattern, nnz).astype(acc)
+        values = (x.astype(acc) * weights[:, None]).astype(dtype)
+    rows = pattern.row_of_col  # m for an empty column: dropped by the segment_min
+    target = out.astype(dtype)[jnp.minimum(rows, m - 1)]
+    return _first_hit(values, target, rows, m, False)
+
+
+def extreme_column_mask(
+    x: jax.Array, data: jax.Array | None, pattern: Pattern, out: jax.Array
+) -> jax.Array:
+    """For <= 1 nonzero per column: ``mask[j, f]`` is True where column ``j`` attains
+    ``out[row_of_col[j], f]`` (the first such column of its row; ties as
+    :func:`extreme_positions`). ``(n, F)`` bool.
+
+    With it the max/min is ``A @ (mask * x)``, a sum whose transpose is a row gather:
+    the gradient needs no scatter.
+    """
+    m = out.shape[0]
+    n, f = x.shape
+    if m == 0 or n == 0 or f == 0 or pattern.indices.shape[0] == 0:
+        return jnp.zeros((n, f), bool)
+    first = _first_column_hit(x, data, pattern, out)
+    rows = pattern.row_of_col
+    winner = first[jnp.minimum(rows, m - 1)]
+    return (winner == jnp.arange(n, dtype=jnp.int32)[:, None]) & (rows < m)[:, None]
 
 
 def _first_hit(values, target, rows, m, indices_are_sorted) -> jax.Array:
