@@ -11,9 +11,12 @@ primitive), ``impl`` and ``interpret``.
 
 The sum is bilinear in ``(X, data)``: its JVP binds the primitive on the tangents and
 its transpose is the product with the planned transpose (and an SDDMM for ``data``).
-Max and min are piecewise linear: their JVP gathers the tangents at the entry that
-attains each output (:func:`jaxcsr.kernels.xla.extreme_positions`), which JAX
-transposes into a scatter-add, so the gradient reaches the arg positions only.
+Max and min are piecewise linear: their JVP takes the tangents at the entry that
+attains each output, so the gradient reaches the arg positions only. For at most one
+nonzero per column (``from_indices``) it is the masked sum ``A @ (mask * dX)``
+(:func:`jaxcsr.kernels.xla.extreme_column_mask`), transposed by the sum's own rule;
+otherwise a gather at :func:`jaxcsr.kernels.xla.extreme_positions`, which JAX
+transposes into a scatter-add.
 """
 
 from __future__ import annotations

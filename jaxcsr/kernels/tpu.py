@@ -11,10 +11,10 @@ Grid: (feature blocks "parallel", schedule "arbitrary"); steps of one output til
 consecutive, the first zeroes the tile, and tiles without nonzeros get one step.
 
 ``reduce="max"``/``"min"`` swaps the semiring in the same schedule: the MXU has no
-max, so the tile is reduced on the VPU, one output row at a time: a nonzero column
-of row ids (``(BLOCK_K, 1)``, the same ids laid out down the sublanes) is compared
-with the row, the values of other rows are replaced by the identity and a sublane
-reduction gives the row's partial max, combined into the output tile. That is
+max, so the tile is reduced on the VPU, one output row at a time: column ``i`` of the
+transposed one-hot masks row ``i``'s nonzeros down the sublanes of the value tile, the
+values of other rows are replaced by the identity and a sublane reduction gives the
+row's partial max, combined into the output tile. That is
 ``BLOCK_M`` masked reductions per step, about as many VPU operations as the one-hot
 product has MXU ones; the first step of a tile fills it with -inf/+inf (the caller
 zeroes empty rows).
@@ -42,27 +42,19 @@ BLOCK_K = 128
 
 
 _REDUCERS = {
-    "sum": (0.0, jnp.sum, jnp.add),
     "max": (-jnp.inf, jnp.max, jnp.maximum),
     "min": (jnp.inf, jnp.min, jnp.minimum),
 }
 
 
-def _row_loop(local_col, vals, o_ref, reduce: str) -> None:
-    """``o[i] = combine(o[i], reduce over k with local_col[k] == i of vals[k])`` on the VPU.
-
-    ``local_col`` is ``(BLOCK_K, 1)``: one masked sublane reduction per output row.
-    """
-    identity, reducer, combine = _REDUCERS[reduce]
-    for i in range(BLOCK_M):  # static
-        masked = jnp.where(local_col == i, vals, identity)
-        partial = reducer(masked, axis=0, keepdims=True)
-        o_ref[i : i + 1, :] = combine(o_ref[i : i + 1, :], partial)
+def _onehot(rows_ref, base, dtype):
+    """``(BLOCK_M, BLOCK_K)``: 1 where nonzero ``k`` belongs to output row ``base + i``."""
+    local = rows_ref[...] - base  # (1, BLOCK_K); padding is < 0
+    iota = lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_K), 0)
+    return (iota == local).astype(dtype)
 
 
-def _sum_kernel(
-    out_tile_ref, nnz_tile_ref, first_ref, rows_ref, rows_col_ref, vals_ref, o_ref, *, precision
-):
+def _sum_kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *, precision):
     del nnz_tile_ref
     s = pl.program_id(1)
 
@@ -70,36 +62,48 @@ def _sum_kernel(
     def _zero():
         o_ref[...] = jnp.zeros_like(o_ref)
 
-    base = out_tile_ref[s] * BLOCK_M
-    local = rows_ref[...] - base  # (1, BLOCK_K); padding is < 0
-    iota = lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_K), 0)
     vals = vals_ref[...]
-    finite = jnp.isfinite(vals.astype(jnp.float32))  # Mosaic tests float32 only
+    onehot = _onehot(rows_ref, out_tile_ref[s] * BLOCK_M, vals.dtype)
+    wide = vals.astype(jnp.float32)  # Mosaic's isfinite takes float32 only
+    finite = jnp.isfinite(wide)
     # 0 * inf is NaN on the MXU: a one-hot product would spread one non-finite value
     # over the whole tile. Finite values go through the MXU; a tile holding inf/NaN
-    # adds them on the VPU, row by row, so each reaches its own row only.
-    onehot = (iota == local).astype(vals.dtype)
+    # also counts, per row, its NaNs, +infs and -infs with 0/1 indicator products
+    # (exact) and adds the IEEE result of those: NaN, +inf, -inf or nothing.
     clean = jnp.where(finite, vals, jnp.zeros_like(vals))
     o_ref[...] += jnp.dot(onehot, clean, preferred_element_type=jnp.float32, precision=precision)
 
     @pl.when(jnp.max(jnp.where(finite, 0.0, 1.0)) > 0)
     def _non_finite():
-        odd = jnp.where(finite, 0.0, vals.astype(jnp.float32))
-        _row_loop(rows_col_ref[...] - base, odd, o_ref, "sum")
+        hot = onehot.astype(jnp.float32)
+
+        def count(indicator):
+            return jnp.dot(hot, indicator.astype(jnp.float32), preferred_element_type=jnp.float32)
+
+        nan = count(jnp.isnan(wide))
+        pos = count(wide == jnp.inf)
+        neg = count(wide == -jnp.inf)
+        odd = jnp.where(pos > 0, jnp.inf, 0.0) + jnp.where(neg > 0, -jnp.inf, 0.0)
+        o_ref[...] += jnp.where(nan > 0, jnp.nan, odd)
 
 
-def _extreme_kernel(
-    out_tile_ref, nnz_tile_ref, first_ref, rows_col_ref, vals_ref, o_ref, *, reduce
-):
+def _extreme_kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *, reduce):
     del nnz_tile_ref
     s = pl.program_id(1)
+    identity, reducer, combine = _REDUCERS[reduce]
 
     @pl.when(first_ref[s] == 1)
     def _fill():
-        o_ref[...] = jnp.full(o_ref.shape, _REDUCERS[reduce][0], o_ref.dtype)
+        o_ref[...] = jnp.full(o_ref.shape, identity, o_ref.dtype)
 
-    local = rows_col_ref[...] - out_tile_ref[s] * BLOCK_M  # (BLOCK_K, 1); padding is < 0
-    _row_loop(local, vals_ref[...].astype(jnp.float32), o_ref, reduce)
+    # Transposed one-hot (BLOCK_K, BLOCK_M): column i masks the nonzeros of row i
+    # down the sublanes of the (BLOCK_K, block_n) value tile.
+    members = jnp.transpose(_onehot(rows_ref, out_tile_ref[s] * BLOCK_M, jnp.float32))
+    vals = vals_ref[...].astype(jnp.float32)
+    for i in range(BLOCK_M):  # static: one masked sublane reduction per output row
+        masked = jnp.where(members[:, i : i + 1] > 0, vals, identity)
+        partial = reducer(masked, axis=0, keepdims=True)
+        o_ref[i : i + 1, :] = combine(o_ref[i : i + 1, :], partial)
 
 
 def spmm(
@@ -136,16 +140,10 @@ def spmm(
     values = jnp.pad(values, ((0, pad), (0, 0)))
     rows = jnp.pad(rows.astype(jnp.int32), (0, pad), constant_values=-1)
     block_n = 128 if f % 128 == 0 else f
-    # Row ids lane-major (compared with a (BLOCK_M, BLOCK_K) iota for the one-hot)
-    # and sublane-major (masking the (BLOCK_K, block_n) values row by row).
-    lanes = pl.BlockSpec((1, BLOCK_K), lambda j, s, ot, kt, fr: (0, kt[s]))
-    sublanes = pl.BlockSpec((BLOCK_K, 1), lambda j, s, ot, kt, fr: (kt[s], 0))
     if reduce == "sum":
-        row_operands, row_specs = [rows[None, :], rows[:, None]], [lanes, sublanes]
         precision = lax.Precision.HIGHEST if values.dtype == jnp.float32 else None
         kernel = functools.partial(_sum_kernel, precision=precision)
-    elif reduce in ("max", "min"):
-        row_operands, row_specs = [rows[:, None]], [sublanes]
+    elif reduce in _REDUCERS:
         kernel = functools.partial(_extreme_kernel, reduce=reduce)
     else:
         raise ValueError(f"reduce must be 'sum', 'max' or 'min', got {reduce!r}")
@@ -153,7 +151,7 @@ def spmm(
         num_scalar_prefetch=3,
         grid=(f // block_n, out_tile.shape[0]),
         in_specs=[
-            *row_specs,
+            pl.BlockSpec((1, BLOCK_K), lambda j, s, ot, kt, fr: (0, kt[s])),
             pl.BlockSpec((BLOCK_K, block_n), lambda j, s, ot, kt, fr: (kt[s], j)),
         ],
         out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda j, s, ot, kt, fr: (ot[s], j)),
@@ -165,5 +163,5 @@ def spmm(
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
         interpret=interpret,
         name="jaxcsr_block_spmm",
-    )(out_tile, nnz_tile, first, *row_operands, values)
+    )(out_tile, nnz_tile, first, rows[None, :], values)
     return out[:num_rows]
