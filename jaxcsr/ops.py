@@ -95,12 +95,6 @@ def _bind(x, data, pattern: Pattern, info: MatmulInfo, **params) -> jax.Array:
     return csr_matmul_p.bind(*_pack(x, data, pattern), info=info, **params)
 
 
-def _result_dtype(x_dtype: Any, data_dtype: Any | None) -> np.dtype:
-    if data_dtype is None:
-        return np.dtype(x_dtype)
-    return np.dtype(jnp.result_type(data_dtype, x_dtype))
-
-
 def _check_impl(impl: str | None, interpret: bool) -> None:
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -288,7 +282,7 @@ def _lowered_impl(
         else:
             out = _tpu_spmm(x, data, pattern, m, reduce, interpret)
         if reduce != "sum":  # the kernels leave -inf/+inf in empty rows
-            out = jnp.where(xla_kernels.row_degrees(pattern)[:, None] > 0, out, 0)
+            out = xla_kernels.zero_empty_rows(out, pattern)
     elif reduce == "sum":
         strategy = _strategy_for(info, on_cpu=platform == "cpu")
         out = xla_kernels.spmm(x, data, pattern, shape=info.shape, strategy=strategy)
@@ -297,7 +291,7 @@ def _lowered_impl(
         out = xla_kernels.spmm_extreme(
             x, data, pattern, shape=info.shape, strategy=strategy, reduce=reduce
         )
-    return out.astype(_result_dtype(x.dtype, data_dtype))
+    return out.astype(xla_kernels.product_dtype(x.dtype, data_dtype))
 
 
 def _tpu_spmm(x, data, pattern: Pattern, m: int, reduce: str, interpret: bool) -> jax.Array:
@@ -340,7 +334,7 @@ csr_matmul_p.def_impl(_eager_impl)
 def _abstract_eval(*operands, info: MatmulInfo, **params):
     del params
     x, data, _ = _unpack(operands, info)
-    dtype = _result_dtype(x.dtype, None if data is None else data.dtype)
+    dtype = xla_kernels.product_dtype(x.dtype, None if data is None else data.dtype)
     return ShapedArray((info.shape[0], x.shape[1]), dtype)
 
 
@@ -404,7 +398,7 @@ ad.primitive_jvps[csr_matmul_p] = _jvp
 
 # ------------------------------------------------------------------ transpose
 def _transpose(ct, *operands, info: MatmulInfo, **params):
-    if params["reduce"] != "sum":  # their JVPs never bind the primitive on tangents
+    if params["reduce"] != "sum":  # their JVPs bind only the sum on tangents
         raise ValueError(f"csr_matmul with reduce={params['reduce']!r} is not linear")
     x, data, pattern = _unpack(operands, info)
     if any(ad.is_undefined_primal(a) for a in pattern.flat()):

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcsr import plan
+from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.matrix import CSRMatrix
 from jaxcsr.ops import matmul
 
@@ -228,7 +229,11 @@ segment_min = _segment_reduction(
 
 # ------------------------------------------------------------ softmax family
 def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
-    """``(A, x, axis, shifted, total, compute dtype)`` of a stable segment softmax."""
+    """``(A, axis, shifted, exp(shifted), total, peak, input dtype)`` of a stable softmax.
+
+    ``shifted`` is each logit minus its segment's (finite) max ``peak``; ``total`` the
+    per-segment sum of ``exp(shifted)``; all in float32 or wider.
+    """
     A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"logits must have a floating dtype, got {x.dtype}")
@@ -238,8 +243,8 @@ def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
     peak = matmul(A, jax.lax.stop_gradient(x), reduce="max", impl=impl)
     peak = jnp.where(jnp.isfinite(peak), peak, 0)
     shifted = x - matmul(A.T, peak, impl=impl)  # each entry minus its segment's max
-    total = matmul(A, jnp.exp(shifted), impl=impl)
-    return A, axis, shifted, total, peak, dtype
+    exp = jnp.exp(shifted)
+    return A, axis, shifted, exp, matmul(A, exp, impl=impl), peak, dtype
 
 
 def segment_softmax(
@@ -263,10 +268,8 @@ def segment_softmax(
       >>> [round(float(v), 4) for v in out]
       [0.2689, 0.7311, 1.0]
     """
-    A, axis, shifted, total, _, dtype = _softmax_parts(
-        logits, segment_ids, num_segments, axis, impl
-    )
-    out = jnp.exp(shifted) / matmul(A.T, total, impl=impl)
+    A, axis, _, exp, total, _, dtype = _softmax_parts(logits, segment_ids, num_segments, axis, impl)
+    out = exp / matmul(A.T, total, impl=impl)
     return jnp.moveaxis(out.astype(dtype), 0, axis)
 
 
@@ -286,7 +289,7 @@ def segment_log_softmax(
       >>> [round(float(v), 4) for v in out]
       [-0.6931, -0.6931]
     """
-    A, axis, shifted, total, _, dtype = _softmax_parts(
+    A, axis, shifted, _, total, _, dtype = _softmax_parts(
         logits, segment_ids, num_segments, axis, impl
     )
     out = shifted - matmul(A.T, jnp.log(total), impl=impl)
@@ -311,8 +314,11 @@ def segment_logsumexp(
       >>> [round(float(v), 4) for v in out]
       [0.6931, 0.0, 3.0]
     """
-    A, axis, _, total, peak, dtype = _softmax_parts(logits, segment_ids, num_segments, axis, impl)
-    nonempty = (jnp.diff(A.indptr) > 0).reshape((-1,) + (1,) * (total.ndim - 1))
+    A, axis, _, _, total, peak, dtype = _softmax_parts(
+        logits, segment_ids, num_segments, axis, impl
+    )
+    degrees = xla_kernels.row_degrees(A.pattern)
+    nonempty = (degrees > 0).reshape((-1,) + (1,) * (total.ndim - 1))
     # log(0) only where the segment is empty; keep its gradient finite there.
     out = jnp.where(nonempty, jnp.log(jnp.where(nonempty, total, 1)) + peak, 0)
     return jnp.moveaxis(out.astype(dtype), 0, axis)

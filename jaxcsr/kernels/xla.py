@@ -244,23 +244,42 @@ def product_dtype(x_dtype, data_dtype) -> np.dtype:
     return np.dtype(jnp.result_type(data_dtype, x_dtype))
 
 
-def entry_values(x: jax.Array, data: jax.Array | None, pattern: Pattern) -> jax.Array:
-    """``data[k] * x[indices[k]]`` for every nonzero ``k`` (CSR order), ``(nnz, F)``.
+def _weighted(values: jax.Array, weights: jax.Array | None, dtype) -> jax.Array:
+    """``weights[:, None] * values`` in ``dtype`` (``values`` alone without weights).
 
     Products of 16-bit floats are formed in float32 and rounded once, as the Pallas
     kernels do, so comparing them with a kernel's max is exact.
     """
-    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
-    gathered = x[pattern.indices]
-    if data is None:
-        return gathered.astype(dtype)
+    if weights is None:
+        return values.astype(dtype)
     acc = accumulation_dtype(dtype)
-    return (data.astype(acc)[:, None] * gathered.astype(acc)).astype(dtype)
+    return (weights.astype(acc)[:, None] * values.astype(acc)).astype(dtype)
+
+
+def entry_values(x: jax.Array, data: jax.Array | None, pattern: Pattern) -> jax.Array:
+    """``data[k] * x[indices[k]]`` for every nonzero ``k`` (CSR order), ``(nnz, F)``."""
+    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
+    return _weighted(x[pattern.indices], data, dtype)
+
+
+def column_values(x: jax.Array, data: jax.Array | None, pattern: Pattern) -> jax.Array:
+    """For <= 1 nonzero per column: ``data_j * x[j]`` in input order, ``(n, F)``.
+
+    No gather: column ``j``'s value multiplies X's row ``j`` (0 for empty columns).
+    """
+    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
+    weights = None if data is None else _data_by_column(data, pattern, pattern.indices.shape[0])
+    return _weighted(x, weights, dtype)
 
 
 def row_degrees(pattern: Pattern) -> jax.Array:
     """Stored entries per row, ``(m,)``."""
     return jnp.diff(pattern.indptr)
+
+
+def zero_empty_rows(out: jax.Array, pattern: Pattern) -> jax.Array:
+    """``out`` with the rows that store no entry set to 0 (max/min's empty rows)."""
+    return jnp.where(row_degrees(pattern)[:, None] > 0, out, jnp.zeros((), out.dtype))
 
 
 def _segment_extreme(values, segments, num_segments, reduce, *, indices_are_sorted):
@@ -300,23 +319,18 @@ def spmm_extreme(
         return jnp.zeros((m, f), dtype)
     acc = accumulation_dtype(dtype)
     if pattern.row_of_col is not None:
-        values = x.astype(acc)
-        if data is not None:
-            weights = _data_by_column(data, pattern, nnz).astype(acc)
-            values = (values * weights[:, None]).astype(dtype).astype(acc)
+        values = column_values(x, data, pattern).astype(acc)
         out = _segment_extreme(
             values, pattern.row_of_col, m, reduce, indices_are_sorted=strategy == "csr_kernel"
         )
     elif pattern.col_of_row is not None:
-        out = x.at[pattern.col_of_row].get(mode="fill", fill_value=0)
-        if data is not None:
-            weights = _data_by_row(data, pattern, nnz).astype(acc)
-            out = out.astype(acc) * weights[:, None]
+        gathered = x.at[pattern.col_of_row].get(mode="fill", fill_value=0)
+        weights = None if data is None else _data_by_row(data, pattern, nnz)
+        out = _weighted(gathered, weights, dtype)
     else:
         values = entry_values(x, data, pattern).astype(acc)
         out = _segment_extreme(values, row_ids(pattern), m, reduce, indices_are_sorted=True)
-    out = out.astype(dtype)
-    return jnp.where(row_degrees(pattern)[:, None] > 0, out, jnp.zeros((), dtype))
+    return zero_empty_rows(out.astype(dtype), pattern)
 
 
 def extreme_positions(
@@ -342,7 +356,6 @@ def extreme_positions(
     nnz = pattern.indices.shape[0]
     if nnz == 0 or m == 0 or f == 0:
         return jnp.full((m, f), nnz, jnp.int32)
-    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
     if pattern.row_of_col is not None:  # search the columns, in input order
         n = x.shape[0]
         first = _first_column_hit(x, data, pattern, out)
@@ -351,7 +364,7 @@ def extreme_positions(
         return position_of_column[jnp.minimum(first, n)]
     values = entry_values(x, data, pattern)
     rows = row_ids(pattern)
-    return jnp.minimum(_first_hit(values, out.astype(dtype)[rows], rows, m, True), nnz)
+    return jnp.minimum(_first_hit(values, out.astype(values.dtype)[rows], rows, m, True), nnz)
 
 
 def _first_column_hit(x, data, pattern: Pattern, out: jax.Array) -> jax.Array:
@@ -360,15 +373,9 @@ def _first_column_hit(x, data, pattern: Pattern, out: jax.Array) -> jax.Array:
     ``(m, F)`` int32; rows without a hit (empty rows) hold the int32 maximum.
     """
     m = out.shape[0]
-    nnz = pattern.indices.shape[0]
-    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
-    values = x.astype(dtype)
-    if data is not None:
-        acc = accumulation_dtype(dtype)
-        weights = _data_by_column(data, pattern, nnz).astype(acc)
-        values = (x.astype(acc) * weights[:, None]).astype(dtype)
+    values = column_values(x, data, pattern)
     rows = pattern.row_of_col  # m for an empty column: dropped by the segment_min
-    target = out.astype(dtype)[jnp.minimum(rows, m - 1)]
+    target = out.astype(values.dtype)[jnp.minimum(rows, m - 1)]
     return _first_hit(values, target, rows, m, False)
 
 
