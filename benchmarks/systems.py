@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,26 @@ def _vjp(f: Callable, primal: Any) -> Callable:
 
 def _bind(fn: Callable, *args: Any) -> Callable[[], Any]:
     return lambda: fn(*args)
+
+
+class _Edges(NamedTuple):
+    """Per-edge inputs ``(E, N)`` shared by the edge-form workloads."""
+
+    host: np.ndarray  # float32 numpy copy (scipy, torch)
+    values: jax.Array  # in input (edge) order
+    sorted_values: jax.Array  # pre-sorted by destination, for the sorted peer
+    order: np.ndarray  # the sort: sorted_values == values[order]
+    unsort: np.ndarray  # its inverse, mapping sorted-order outputs back
+
+
+def _edge_passes(f: dict, fsorted: Callable, edges: _Edges, ct, ct_sorted) -> tuple[dict, dict]:
+    """Forward and backward thunks of edge-input systems; the sorted peer gets sorted inputs."""
+    x, xs = edges.values, edges.sorted_values
+    fwd = {k: _bind(jax.jit(fn), x) for k, fn in f.items()}
+    fwd["segment_sum_sorted"] = _bind(jax.jit(fsorted), xs)
+    bwd = {k: _bind(_vjp(fn, x), x, ct) for k, fn in f.items()}
+    bwd["segment_sum_sorted"] = _bind(_vjp(fsorted, xs), xs, ct_sorted)
+    return fwd, bwd
 
 
 def _torch_dtype(dtype: np.dtype):
@@ -154,7 +174,7 @@ def build_cases(
         msgs_np = rng.uniform(-1, 1, (E, N)).astype(np.float32)
         ct_np = rng.uniform(-1, 1, (V, N)).astype(np.float32)
         msgs = jnp.asarray(msgs_np, dtype)
-        msgs_sorted = msgs[order]
+        edges = _Edges(msgs_np, msgs, msgs[order], order, np.argsort(order))
         ct = jnp.asarray(ct_np, dtype)
 
     if "segment" in workloads:
@@ -166,10 +186,7 @@ def build_cases(
             "bcoo": lambda m: bcoo @ m,
         }
         fsorted = lambda m: jax.ops.segment_sum(m, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
-        fwd = {k: _bind(jax.jit(fn), msgs) for k, fn in f.items()}
-        fwd["segment_sum_sorted"] = _bind(jax.jit(fsorted), msgs_sorted)
-        bwd = {k: _bind(_vjp(fn, msgs), msgs, ct) for k, fn in f.items()}
-        bwd["segment_sum_sorted"] = _bind(_vjp(fsorted, msgs_sorted), msgs_sorted, ct)
+        fwd, bwd = _edge_passes(f, fsorted, edges, ct, ct)
         if dtype == np.float32:
             fwd["scipy"] = _bind(seg_scipy.__matmul__, msgs_np)
             bwd["scipy"] = _bind(seg_scipy_t.__matmul__, ct_np)
@@ -191,19 +208,16 @@ def build_cases(
         io = E * N * b + V * N * b + E * INDEX_BYTES
         yield case("segment", "fwd", io, fwd)
         # segment_sum_sorted's backward is in sorted edge order
-        unsort = np.argsort(order)
-        yield case("segment", "bwd", io, bwd, {"segment_sum_sorted": lambda y: y[unsort]})
+        yield case("segment", "bwd", io, bwd, {"segment_sum_sorted": lambda y: y[edges.unsort]})
 
     if "segment_softmax" in workloads:
         ct_e = jnp.asarray(rng.uniform(-1, 1, (E, N)), dtype)
-        yield from _softmax_cases(
-            case, graph, dst, dst_sorted, order, msgs, ct_e, msgs_np, dtype, use_torch
-        )
+        yield from _softmax_cases(case, graph, dst, dst_sorted, edges, ct_e, dtype, use_torch)
 
     for reduce in ("mean", "max"):
         if f"segment_{reduce}" in workloads:
             yield from _reduce_cases(
-                case, reduce, A, graph, dst, dst_sorted, order, msgs, ct, msgs_np, dtype, use_torch
+                case, reduce, A, graph, dst, dst_sorted, edges, ct, dtype, use_torch
             )
 
     if "last_axis" in workloads:
@@ -308,24 +322,19 @@ def _jax_ops_softmax(x, ids, num_segments, *, indices_are_sorted=False):
     return e / jax.ops.segment_sum(e, ids, num_segments, **kw)[ids]
 
 
-def _softmax_cases(case, graph, dst, dst_sorted, order, msgs, ct_e, msgs_np, dtype, use_torch):
+def _softmax_cases(case, graph, dst, dst_sorted, edges: _Edges, ct_e, dtype, use_torch):
     """``segment_softmax`` cells: fwd and bwd, outputs per edge (input order)."""
     V, E = graph.num_nodes, graph.num_edges
-    N = msgs.shape[1]
+    N = edges.values.shape[1]
     ids = graph.dst
     f = {
         "jaxcsr": lambda x: jaxcsr.segment_softmax(x, ids, V),
         "segment_sum": lambda x: _jax_ops_softmax(x, dst, V),
     }
     fsorted = lambda x: _jax_ops_softmax(x, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
-    msgs_sorted = msgs[order]
-    unsort = np.argsort(order)
-    fwd = {k: _bind(jax.jit(fn), msgs) for k, fn in f.items()}
-    fwd["segment_sum_sorted"] = _bind(jax.jit(fsorted), msgs_sorted)
-    bwd = {k: _bind(_vjp(fn, msgs), msgs, ct_e) for k, fn in f.items()}
-    bwd["segment_sum_sorted"] = _bind(_vjp(fsorted, msgs_sorted), msgs_sorted, ct_e[order])
+    fwd, bwd = _edge_passes(f, fsorted, edges, ct_e, ct_e[edges.order])
     if use_torch:
-        tm = _to_torch(msgs_np, dtype)
+        tm = _to_torch(edges.host, dtype)
         tdst = torch.from_numpy(graph.dst)
         tdst_x = tdst[:, None].expand(E, N)
 
@@ -340,17 +349,17 @@ def _softmax_cases(case, graph, dst, dst_sorted, order, msgs, ct_e, msgs_np, dty
         fwd["torch_index_add"] = torch_softmax
     b = np.dtype(dtype).itemsize
     io = 2 * E * N * b + E * INDEX_BYTES  # logits in, probabilities out
-    fix = {"segment_sum_sorted": lambda y: y[unsort]}
+    fix = {"segment_sum_sorted": lambda y: y[edges.unsort]}
     yield case("segment_softmax", "fwd", io, fwd, fix)
     yield case("segment_softmax", "bwd", io + E * N * b, bwd, fix)
 
 
 def _reduce_cases(
-    case, reduce, A, graph, dst, dst_sorted, order, msgs, ct, msgs_np, dtype, use_torch
+    case, reduce, A, graph, dst, dst_sorted, edges: _Edges, ct, dtype, use_torch
 ) -> Iterator[Case]:
     """``segment_mean`` / ``segment_max`` cells: fwd and bwd (dense operand)."""
     V, E = graph.num_nodes, graph.num_edges
-    N = msgs.shape[1]
+    N = edges.values.shape[1]
     counts = np.bincount(graph.dst, minlength=V)
     empty = counts == 0
     inverse_degree = jnp.asarray(1.0 / np.maximum(counts, 1), jnp.float32)[:, None]
@@ -375,13 +384,9 @@ def _reduce_cases(
         fsorted = lambda m: jax.ops.segment_max(m, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
         zero_empty = lambda y: np.where(empty[:, None], 0, y)  # noqa: E731
         fix = {"segment_sum": zero_empty, "segment_sum_sorted": zero_empty}
-    msgs_sorted = msgs[order]
-    fwd = {k: _bind(jax.jit(fn), msgs) for k, fn in f.items()}
-    fwd["segment_sum_sorted"] = _bind(jax.jit(fsorted), msgs_sorted)
-    bwd = {k: _bind(_vjp(fn, msgs), msgs, ct) for k, fn in f.items()}
-    bwd["segment_sum_sorted"] = _bind(_vjp(fsorted, msgs_sorted), msgs_sorted, ct)
+    fwd, bwd = _edge_passes(f, fsorted, edges, ct, ct)
     if use_torch:
-        tm = _to_torch(msgs_np, dtype)
+        tm = _to_torch(edges.host, dtype)
         tdst_x = torch.from_numpy(graph.dst)[:, None].expand(E, N)
         op = "mean" if reduce == "mean" else "amax"
         fwd["torch_scatter_reduce"] = lambda: torch.zeros(V, N, dtype=tm.dtype).scatter_reduce_(
@@ -390,5 +395,5 @@ def _reduce_cases(
     b = np.dtype(dtype).itemsize
     io = E * N * b + V * N * b + E * INDEX_BYTES
     yield case(f"segment_{reduce}", "fwd", io, fwd, fix)
-    unsort = np.argsort(order)
-    yield case(f"segment_{reduce}", "bwd", io, bwd, {"segment_sum_sorted": lambda y: y[unsort]})
+    unsorted = {"segment_sum_sorted": lambda y: y[edges.unsort]}
+    yield case(f"segment_{reduce}", "bwd", io, bwd, unsorted)

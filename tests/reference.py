@@ -51,6 +51,18 @@ def random_csr(rng: np.random.Generator, m: int, n: int, kind: str) -> sp.csr_ar
     return mat
 
 
+def segment_reference(values, ids: np.ndarray, m: int, reduce: str = "sum") -> np.ndarray:
+    """Float64 ``reduce`` of ``values`` over segments ``ids`` along axis 0; empty ones 0."""
+    values = np.asarray(values).astype(np.float64)
+    ufunc = {"sum": np.add, "mean": np.add, "max": np.maximum, "min": np.minimum}[reduce]
+    out = np.full((m, *values.shape[1:]), {"max": -np.inf, "min": np.inf}.get(reduce, 0.0))
+    ufunc.at(out, ids, values)
+    counts = np.bincount(ids, minlength=m).reshape(-1, *[1] * (values.ndim - 1))
+    if reduce == "mean":
+        out = out / np.maximum(counts, 1)
+    return np.where(counts > 0, out, 0.0)
+
+
 TOLERANCES = {
     np.dtype(np.float64): 1e-12,
     np.dtype(np.float32): 2e-5,

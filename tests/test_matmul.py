@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from reference import assert_close, power_law_ids, random_csr, random_values
+from reference import (
+    assert_close,
+    power_law_ids,
+    random_csr,
+    random_values,
+    segment_reference,
+)
 
 import jaxcsr
 from jaxcsr import CSRMatrix
@@ -16,12 +22,6 @@ from jaxcsr.kernels import xla as xla_kernels
 DTYPES = [np.float32, jnp.bfloat16, np.float16]
 KINDS = ["uniform", "power_law", "empty_rows", "empty"]
 SHAPES = [(1, 1), (7, 13), (37, 129), (130, 9), (0, 5), (5, 0)]
-
-
-def segment_reference(values: np.ndarray, idx: np.ndarray, m: int) -> np.ndarray:
-    out = np.zeros((m, *values.shape[1:]), np.float64)
-    np.add.at(out, idx, values.astype(np.float64))
-    return out
 
 
 @pytest.mark.parametrize("dtype", DTYPES)

@@ -6,24 +6,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import assert_close, check_product_grads, power_law_ids, random_values
+from reference import (
+    assert_close,
+    check_product_grads,
+    power_law_ids,
+    random_values,
+    segment_reference,
+)
 
 import jaxcsr
 from jaxcsr import segment
-
-
-def np_segment(values: np.ndarray, ids: np.ndarray, m: int, reduce: str) -> np.ndarray:
-    """Float64 segment reduction along axis 0; empty segments 0."""
-    values = np.asarray(values, np.float64)
-    out = np.zeros((m, *values.shape[1:]))
-    for s in range(m):
-        members = values[ids == s]
-        if members.shape[0]:
-            out[s] = {"sum": np.sum, "mean": np.mean, "max": np.max, "min": np.min}[reduce](
-                members, axis=0
-            )
-    return out
-
 
 FUNCTIONS = {
     "sum": jaxcsr.segment_sum,
@@ -40,7 +32,7 @@ def test_matches_reference_and_jax_ops(rng, reduce, dtype):
     values = random_values(rng, (300, 4)).astype(dtype)
     out = FUNCTIONS[reduce](jnp.asarray(values), ids, 41)
     assert out.dtype == np.dtype(dtype) and out.shape == (41, 4)
-    assert_close(out, np_segment(values, ids, 41, reduce), dtype)
+    assert_close(out, segment_reference(values, ids, 41, reduce), dtype)
     if reduce != "mean":
         ref = getattr(jax.ops, f"segment_{reduce}")(jnp.asarray(values, jnp.float32), ids, 41)
         empty = np.bincount(ids, minlength=41) == 0
@@ -54,7 +46,7 @@ def test_axis_covers_the_last_axis_scatter(rng, reduce):
     values = random_values(rng, (2, 5, 37)).astype(np.float32)
     out = FUNCTIONS[reduce](values, ids, 9, axis=-1)
     assert out.shape == (2, 5, 9)
-    expected = np.moveaxis(np_segment(np.moveaxis(values, -1, 0), ids, 9, reduce), 0, -1)
+    expected = np.moveaxis(segment_reference(np.moveaxis(values, -1, 0), ids, 9, reduce), 0, -1)
     assert_close(out, expected, np.float32)
     middle = FUNCTIONS[reduce](np.moveaxis(values, -1, 1), ids, 9, axis=1)
     assert_close(middle, np.moveaxis(expected, -1, 1), np.float32)
@@ -152,7 +144,7 @@ def test_matrix_is_cached_by_value_and_jit_traces_once(rng):
 
     v = jnp.asarray(random_values(rng, (64, 3)), jnp.float32)
     for _ in range(3):
-        assert_close(step(v), np_segment(np.asarray(v), ids, 8, "mean"), np.float32)
+        assert_close(step(v), segment_reference(np.asarray(v), ids, 8, "mean"), np.float32)
     assert len(traces) == 1
     for i in range(segment.CACHE_SIZE + 2):  # the cache is bounded
         jaxcsr.segment_matrix(np.array([i]), i + 1)
@@ -167,7 +159,7 @@ def test_first_call_inside_jit_caches_no_tracer(rng):
     A = jaxcsr.segment_matrix(ids, 1005)
     assert all(not isinstance(a, jax.core.Tracer) for a in jax.tree_util.tree_leaves(A))
     second = jax.jit(jax.grad(lambda v: jnp.sum(jaxcsr.segment_max(v, ids, 1005))))(v)
-    assert_close(first, np_segment(np.asarray(v), ids, 1005, "max"), np.float32)
+    assert_close(first, segment_reference(np.asarray(v), ids, 1005, "max"), np.float32)
     assert float(jnp.sum(second)) == float(np.sum(np.bincount(ids, minlength=1005) > 0) * 2)
 
 
@@ -177,7 +169,7 @@ def test_gradients_and_vmap(rng):
     for reduce, fn in FUNCTIONS.items():
         check_product_grads(lambda v, fn=fn: fn(v, ids, 6), (v,))
         batched = jax.vmap(lambda v, fn=fn: fn(v, ids, 6))(jnp.stack([v, 2 * v]))
-        assert_close(batched[1], np_segment(2 * np.asarray(v), ids, 6, reduce), np.float32)
+        assert_close(batched[1], segment_reference(2 * np.asarray(v), ids, 6, reduce), np.float32)
 
 
 # ------------------------------------------------------------ softmax family
