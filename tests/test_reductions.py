@@ -168,17 +168,27 @@ def test_integer_max_min_and_floor_mean(rng, reduce):
     np.testing.assert_array_equal(np.asarray(mean), np.floor_divide(total, count))
 
 
-def _separated(rng, shape) -> np.ndarray:
-    """Distinct values at least 0.05 apart: no tie flips under a 1e-3 perturbation."""
-    return (rng.permutation(int(np.prod(shape))).reshape(shape) * 0.05 - 1.0).astype(np.float32)
+def _separated_products(rng, idx: np.ndarray, weights: np.ndarray, n_features: int):
+    """``x`` whose products ``weights[j] * x[j]`` differ by >= 0.5 within each segment.
+
+    Only entries of the same segment compete for its max, so a 1e-3 perturbation of
+    the weights and of ``x`` (``check_grads``) cannot flip a winner.
+    """
+    products = np.empty((idx.size, n_features))
+    for segment in np.unique(idx):
+        members = np.flatnonzero(idx == segment)
+        for f in range(n_features):
+            products[members, f] = rng.permutation(members.size) * 0.5 - 1.0
+    return (products / weights[:, None]).astype(np.float32)
 
 
 @pytest.mark.parametrize("impl,interpret", PATHS)
 @pytest.mark.parametrize("reduce", EXTREMES)
 def test_gradients_reach_the_arg_positions_only(rng, reduce, impl, interpret):
     idx = power_law_ids(rng, 80, 10)
-    A = CSRMatrix.from_indices(idx, num_rows=10, data=rng.uniform(0.5, 2.0, 80))
-    x = jnp.asarray(_separated(rng, (80, 3)))
+    weights = rng.uniform(0.5, 2.0, 80)
+    A = CSRMatrix.from_indices(idx, num_rows=10, data=weights)
+    x = jnp.asarray(_separated_products(rng, idx, weights, 3))
     ct = random_values(rng, (10, 3)).astype(np.float32)
 
     def loss(data, x):
