@@ -8,8 +8,9 @@ Example:
   [[2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
 """
 
-from jaxcsr.matrix import CSRMatrix
-from jaxcsr.ops import IMPLS, REDUCTIONS, matmul
+from jaxcsr.kernels import BACKENDS
+from jaxcsr.matrix import CSRMatrix, PlanInfo, matmul
+from jaxcsr.ops import IMPLS, REDUCTIONS
 from jaxcsr.segment import (
     segment_log_softmax,
     segment_logsumexp,
@@ -24,9 +25,11 @@ from jaxcsr.segment import (
 __version__ = "0.2.0"
 
 __all__ = [
+    "BACKENDS",
     "IMPLS",
     "REDUCTIONS",
     "CSRMatrix",
+    "PlanInfo",
     "__version__",
     "matmul",
     "segment_log_softmax",

@@ -1,7 +1,9 @@
-"""``CSRMatrix``: a sparse matrix with a static, host-planned structure, as a pytree."""
+"""``CSRMatrix``: a sparse matrix with a static, host-planned structure, as a pytree,
+and :func:`matmul`, the product behind its ``@``."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -9,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 
-from jaxcsr import plan
+from jaxcsr import kernels, plan
+from jaxcsr.dtypes import accumulation_dtype
 from jaxcsr.kernels import gpu as gpu_kernels
-from jaxcsr.kernels import tpu as tpu_kernels
 from jaxcsr.kernels import xla as xla_kernels
-from jaxcsr.kernels.xla import Pattern
-from jaxcsr.ops import MatmulInfo, matmul
+from jaxcsr.ops import IMPLS, REDUCTIONS, Index, product
+from jaxcsr.structure import Structure
 
-__all__ = ["CSRMatrix"]
+__all__ = ["CSRMatrix", "PlanInfo", "matmul"]
 
 
 def _check_values(data: Any, nnz: int, name: str) -> jax.Array:
@@ -39,14 +41,65 @@ def _host_values(data: Any, name: str) -> np.ndarray:
         ) from err
 
 
+def _to_device(tree: Any) -> Any:
+    # Concrete device arrays even when called under a trace (e.g. the first
+    # jaxcsr.segment_sum inside jax.jit): the structure is host data, and a cached
+    # matrix must not hold one trace's tracers.
+    with jax.ensure_compile_time_eval():
+        return jax.tree_util.tree_map(jnp.asarray, tree)
+
+
+@dataclasses.dataclass(frozen=True)
+class PlanInfo:
+    """What a matrix holds and what will run (:meth:`CSRMatrix.plan_info`).
+
+    Attributes:
+      shape, nnz: of the matrix.
+      kind: the core's kind (``"columns"`` or ``"general"``, see
+        :mod:`jaxcsr.structure`) and whether this matrix is its transposed view.
+      backends: the backends whose plans the matrix carries (``"xla"`` plans nothing).
+      arrays: bytes of every device array, by name (``core.*``, ``<backend>.*``,
+        ``data``, ``input_order``).
+      bytes_per_nnz: all of ``arrays`` over ``nnz`` (``nan`` for an empty matrix).
+      strategies: what runs, per backend and platform, for ``A @ X`` (``forward``) and
+        for the backward pass ``A.T @ Y`` (``transpose``).
+    """
+
+    shape: tuple[int, int]
+    nnz: int
+    kind: str
+    backends: tuple[str, ...]
+    arrays: dict[str, int]
+    bytes_per_nnz: float
+    strategies: dict[str, str]
+
+    def __str__(self) -> str:
+        lines = [
+            f"CSRMatrix {self.shape}, nnz={self.nnz}, kind={self.kind}, backends={self.backends}",
+            f"  device bytes: {sum(self.arrays.values())} ({self.bytes_per_nnz:.2f} B/nnz)",
+        ]
+        lines += [f"    {k}: {v}" for k, v in self.arrays.items()]
+        lines += [f"  {k}: {v}" for k, v in self.strategies.items()]
+        return "\n".join(lines)
+
+
 @jax.tree_util.register_pytree_node_class
 class CSRMatrix:
     """A 2-D sparse matrix in CSR form whose structure is planned once on the host.
 
-    The index structure (``indptr``, ``indices`` and the planned transpose) is
-    fixed at construction; only the values can change (:meth:`with_data`). The
-    matrix is a pytree: pass it to ``jax.jit``-ed functions as an argument. Two
-    matrices with the same shape and structure class share one compilation.
+    The index structure is fixed at construction; only the values can change
+    (:meth:`with_data`). The matrix is a pytree: pass it to ``jax.jit``-ed functions
+    as an argument. Its arrays have lengths that depend only on the shape, the
+    number of stored entries and the structure class (one entry per column, one per
+    row, sorted ids, general), so matrices that agree on those share one compilation
+    -- whatever their row-length distributions.
+
+    A matrix carries the portable core (:mod:`jaxcsr.structure`) and the plans of
+    the backends in :attr:`backends` only: by default the XLA path plus the kernel of
+    ``jax.default_backend()`` (the Triton kernel on CUDA, the Mosaic kernel on TPU);
+    pass ``backends=`` to any constructor to choose (for instance to build on a CPU
+    host for a GPU, or to run a kernel in interpret mode on CPU).
+    :meth:`plan_info` shows what is held and what runs.
 
     A matrix built without values is *one-valued*: every stored entry is 1, no
     array of ones is stored and products skip the multiply. Its :attr:`dtype` is
@@ -69,40 +122,53 @@ class CSRMatrix:
     def __init__(
         self,
         data: jax.Array | None,
-        pattern: Pattern,
-        *,
-        shape: tuple[int, int],
-        identity_columns: bool = False,
-        t_identity_columns: bool = False,
+        index: Index,
         input_order: jax.Array | None = None,
+        *,
+        input_order_is_columns: bool = False,
     ):
         self.data = data
-        self.pattern = pattern
-        self.shape = shape
-        self.identity_columns = identity_columns
-        self.t_identity_columns = t_identity_columns
-        self.input_order = input_order
+        self.index = index
+        self._input_order = input_order
+        self._input_order_is_columns = input_order_is_columns
 
     # ----------------------------------------------------------------- pytree
     def tree_flatten(self):
-        children = (self.data, self.pattern, self.input_order)
-        aux = (self.shape, self.identity_columns, self.t_identity_columns)
-        return children, aux
+        return (self.data, self.index, self._input_order), (self._input_order_is_columns,)
 
     @classmethod
     def tree_unflatten(cls, aux, children):
-        data, pattern, input_order = children
-        shape, identity, t_identity = aux
-        return cls(
-            data,
-            pattern,
-            shape=shape,
-            identity_columns=identity,
-            t_identity_columns=t_identity,
-            input_order=input_order,
-        )
+        data, index, input_order = children
+        return cls(data, index, input_order, input_order_is_columns=aux[0])
 
     # ----------------------------------------------------------- constructors
+    @classmethod
+    def _planned(
+        cls,
+        structure: Structure,
+        data: Any | None,
+        backends: Any,
+        input_order: np.ndarray | None = None,
+        *,
+        data_order: np.ndarray | None = None,
+        input_order_is_columns: bool = False,
+    ) -> CSRMatrix:
+        """Plans the requested backends on a host structure and moves all to the device.
+
+        ``data`` comes in input order and is stored as ``data[data_order]``
+        (``data_order`` defaults to ``input_order``, the stored map).
+        """
+        names = kernels.resolve_backends(backends)
+        plans = {name: kernels.BACKENDS[name].plan(structure) for name in names}
+        index = _to_device(Index(structure, plans))
+        if data is not None:
+            data = _check_values(data, structure.nnz, "data")
+            data_order = input_order if data_order is None else data_order
+            if data_order is not None:
+                data = data[data_order]
+        order = None if input_order is None else _to_device(input_order)
+        return cls(data, index, order, input_order_is_columns=input_order_is_columns)
+
     @classmethod
     def _from_host_csr(
         cls,
@@ -110,60 +176,23 @@ class CSRMatrix:
         indices: np.ndarray,
         data: Any | None,
         shape: tuple[int, int],
+        backends: Any,
         input_order: np.ndarray | None = None,
     ) -> CSRMatrix:
-        """Plans a validated host CSR structure and moves it to the device."""
-        t = plan.plan_transpose(indptr, indices, shape)
-        items = plan.plan_work_items(indptr, gpu_kernels.CHUNK, gpu_kernels.ITEMS_PER_PROGRAM)
-        t_items = plan.plan_work_items(t.indptr, gpu_kernels.CHUNK, gpu_kernels.ITEMS_PER_PROGRAM)
-        tiles = plan.plan_tile_schedule(indptr, tpu_kernels.BLOCK_M, tpu_kernels.BLOCK_K)
-        t_tiles = plan.plan_tile_schedule(t.indptr, tpu_kernels.BLOCK_M, tpu_kernels.BLOCK_K)
-        s = plan.plan_structure(indptr, indices, shape)
-        s_t = plan.plan_structure(t.indptr, t.indices, (shape[1], shape[0]))
-
-        def put(a):
-            # Concrete device arrays even when called under a trace (e.g. the first
-            # jaxcsr.segment_sum inside jax.jit): the structure is host data, and a
-            # cached matrix must not hold one trace's tracers.
-            if a is None:
-                return None
-            with jax.ensure_compile_time_eval():
-                return jnp.asarray(a)
-
-        pattern = Pattern(
-            put(indptr),
-            put(indices),
-            put(t.indptr),
-            put(t.indices),
-            put(t.perm),
-            put(t.inverse_perm),
-            (put(items.row), put(items.start), put(items.end)),
-            (put(t_items.row), put(t_items.start), put(t_items.end)),
-            (put(tiles.out_tile), put(tiles.nnz_tile), put(tiles.first)),
-            (put(t_tiles.out_tile), put(t_tiles.nnz_tile), put(t_tiles.first)),
-            put(s.row_of_col),
-            put(s.col_of_row),
-        )
-        if data is not None:
-            data = _check_values(data, indices.size, "data")
-            if input_order is not None:
-                data = data[input_order]
-        return cls(
-            data,
-            pattern,
-            shape=shape,
-            identity_columns=s.identity_columns,
-            t_identity_columns=s_t.identity_columns,
-            input_order=put(input_order),
-        )
+        structure = plan.structure_from_csr(indptr, indices, shape)
+        return cls._planned(structure, data, backends, input_order)
 
     @classmethod
-    def from_indices(cls, idx: Any, num_rows: int, data: Any | None = None) -> CSRMatrix:
+    def from_indices(
+        cls, idx: Any, num_rows: int, data: Any | None = None, *, backends: Any = None
+    ) -> CSRMatrix:
         """The matrix whose product is a segment sum: ``A[idx[j], j] = 1`` (or ``data[j]``).
 
         ``A @ values == jax.ops.segment_sum(values, idx, num_rows)`` for ``values`` of
         shape ``(len(idx), ...)``, and ``values @ A.T`` scatter-adds along the last
-        axis of ``values``.
+        axis of ``values``. The XLA path stores ``idx`` itself, its stable argsort and
+        the row pointer -- ``8 + 4 (num_rows + 1) / len(idx)`` bytes per id with int32
+        indices (4 when the ids are already sorted).
 
         Args:
           idx: host integer array ``(K,)`` of segment ids in ``[0, num_rows)``. It
@@ -173,6 +202,8 @@ class CSRMatrix:
           num_rows: number of segments ``M``; the matrix has shape ``(M, K)``.
           data: optional ``(K,)`` weights, in the order of ``idx`` (input order).
             Stored in CSR order, ``A.data == data[A.input_order]``. May be traced.
+          backends: backend names to plan for (see :attr:`backends`); ``None``: the
+            XLA path and the kernel of ``jax.default_backend()``.
 
         Returns:
           A ``CSRMatrix`` of shape ``(num_rows, len(idx))``.
@@ -186,12 +217,24 @@ class CSRMatrix:
           True
         """
         idx, num_rows = plan.check_segment_ids(idx, num_rows)
-        indptr, order = plan.segment_ids_to_csr(idx, num_rows)
-        return cls._from_host_csr(indptr, order, data, (num_rows, idx.size), order)
+        structure = plan.structure_from_segment_ids(idx, num_rows)
+        order = None
+        if data is not None and not structure.layout.sorted_ids:
+            order = structure.indices
+        # input_order is the column indices themselves: derived, not stored
+        return cls._planned(
+            structure, data, backends, data_order=order, input_order_is_columns=True
+        )
 
     @classmethod
     def from_coo(
-        cls, row: Any, col: Any, data: Any | None = None, *, shape: tuple[int, int]
+        cls,
+        row: Any,
+        col: Any,
+        data: Any | None = None,
+        *,
+        shape: tuple[int, int],
+        backends: Any = None,
     ) -> CSRMatrix:
         """Builds a matrix from coordinates; duplicates are kept and add up.
 
@@ -200,17 +243,24 @@ class CSRMatrix:
           data: optional ``(nnz,)`` values in input order (may be traced);
             ``None`` for a one-valued matrix.
           shape: ``(m, n)``.
+          backends: as in :meth:`from_indices`.
 
         Returns:
           A ``CSRMatrix``; ``A.data == data[A.input_order]``.
         """
         shape = plan.check_shape(shape)
         indptr, indices, order = plan.coo_to_csr(row, col, shape)
-        return cls._from_host_csr(indptr, indices, data, shape, order)
+        return cls._from_host_csr(indptr, indices, data, shape, backends, order)
 
     @classmethod
     def from_arrays(
-        cls, indptr: Any, indices: Any, data: Any | None = None, *, shape: tuple[int, int]
+        cls,
+        indptr: Any,
+        indices: Any,
+        data: Any | None = None,
+        *,
+        shape: tuple[int, int],
+        backends: Any = None,
     ) -> CSRMatrix:
         """Builds a matrix from raw CSR arrays (validated like scipy's ``check_format``).
 
@@ -220,17 +270,19 @@ class CSRMatrix:
             is kept.
           data: optional ``(nnz,)`` values in the same order, or ``None``.
           shape: ``(m, n)``.
+          backends: as in :meth:`from_indices`.
         """
         shape = plan.check_shape(shape)
         indptr, indices = plan.check_csr_arrays(indptr, indices, shape)
-        return cls._from_host_csr(indptr, indices, data, shape)
+        return cls._from_host_csr(indptr, indices, data, shape, backends)
 
     @classmethod
-    def from_scipy(cls, matrix: Any) -> CSRMatrix:
+    def from_scipy(cls, matrix: Any, *, backends: Any = None) -> CSRMatrix:
         """Builds a matrix from any ``scipy.sparse`` matrix or array.
 
-        Column indices are sorted within rows; duplicates and explicit zeros are kept.
-        float64 values become float32 unless ``jax_enable_x64`` is on.
+        Column indices are sorted within rows; duplicates (in every format, COO
+        included) and explicit zeros are kept. float64 values become float32 unless
+        ``jax_enable_x64`` is on.
 
         Raises:
           TypeError: ``matrix`` is not a scipy sparse matrix/array.
@@ -241,27 +293,46 @@ class CSRMatrix:
             )
         if matrix.ndim != 2:
             raise ValueError(f"matrix must be 2-D, got shape {matrix.shape}")
-        csr = sp.csr_array(matrix, copy=True)
-        if not csr.has_sorted_indices:
-            csr.sort_indices()
-        shape = plan.check_shape(csr.shape)
-        indptr, indices = plan.check_csr_arrays(csr.indptr, csr.indices, shape)
-        data = np.asarray(csr.data, dtype=jax.dtypes.canonicalize_dtype(csr.data.dtype))
-        return cls._from_host_csr(indptr, indices, data, shape)
+        shape = plan.check_shape(matrix.shape)
+        if matrix.format == "coo":  # scipy's CSR conversion would sum duplicates
+            indptr, indices, order = plan.coo_to_csr(matrix.row, matrix.col, shape)
+            values = np.asarray(matrix.data)[order]
+        else:
+            csr = sp.csr_array(matrix, copy=True)
+            if not csr.has_sorted_indices:
+                csr.sort_indices()
+            indptr, indices = plan.check_csr_arrays(csr.indptr, csr.indices, shape)
+            values = csr.data
+        data = np.asarray(values, dtype=jax.dtypes.canonicalize_dtype(values.dtype))
+        return cls._from_host_csr(indptr, indices, data, shape, backends)
 
     @classmethod
-    def from_dense(cls, dense: Any) -> CSRMatrix:
+    def from_dense(cls, dense: Any, *, backends: Any = None) -> CSRMatrix:
         """Builds a matrix holding the nonzero entries of a concrete 2-D array."""
         dense = _host_values(dense, "dense")
         if dense.ndim != 2:
             raise ValueError(f"dense must be 2-D, got shape {dense.shape}")
-        return cls.from_scipy(sp.csr_array(dense))
+        return cls.from_scipy(sp.csr_array(dense), backends=backends)
 
     # ------------------------------------------------------------- properties
     @property
+    def structure(self) -> Structure:
+        """The portable core (:class:`~jaxcsr.structure.Structure`), viewed as this matrix."""
+        return self.index.structure
+
+    @property
+    def backends(self) -> tuple[str, ...]:
+        """Names of the backends planned for (``"xla"`` always; kernels when asked)."""
+        return tuple(sorted(self.index.plans))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.structure.shape
+
+    @property
     def nnz(self) -> int:
         """Number of stored entries."""
-        return int(self.pattern.indices.shape[0])
+        return self.structure.nnz
 
     @property
     def dtype(self) -> np.dtype | None:
@@ -270,24 +341,73 @@ class CSRMatrix:
 
     @property
     def indptr(self) -> jax.Array:
-        """``(m + 1,)`` row pointer."""
-        return self.pattern.indptr
+        """``(m + 1,)`` row pointer (derived on the device where it is not stored)."""
+        return self.structure.view_indptr()
 
     @property
     def indices(self) -> jax.Array:
-        """``(nnz,)`` column indices in CSR order."""
-        return self.pattern.indices
+        """``(nnz,)`` column indices in CSR order (derived where not stored)."""
+        return self.structure.view_indices()
 
     @property
-    def matmul_info(self) -> MatmulInfo:
-        """The static facts the product primitive needs."""
-        return MatmulInfo(
+    def input_order(self) -> jax.Array | None:
+        """Input position of each stored entry (:meth:`from_indices`, :meth:`from_coo`).
+
+        ``None`` for matrices built from CSR/scipy/dense input, which are already in
+        CSR order.
+        """
+        if self._input_order_is_columns:  # from_indices: input j is column j
+            s = self.structure
+            return s.row_ids() if s.transposed else s.view_indices()
+        return self._input_order
+
+    def plan_info(self, n_features: int | None = None) -> PlanInfo:
+        """What this matrix holds on the device and what each backend runs.
+
+        Args:
+          n_features: optional feature width ``F`` of the dense operand; adds the
+            Triton kernel's ``(block_n, num_warps)`` for it where planned.
+
+        Example:
+          >>> import numpy as np
+          >>> A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0]), 3, backends=["xla"])
+          >>> info = A.plan_info()
+          >>> info.backends, sorted(info.arrays), info.strategies["forward, xla on cpu"]
+          (('xla',), ['core.indices', 'core.indptr', 'core.row_of_col'], 'scatter')
+        """
+        s = self.structure
+        arrays = {f"core.{k}": int(v.nbytes) for k, v in s.arrays().items()}
+        for name, p in self.index.plans.items():
+            flat, _ = jax.tree_util.tree_flatten_with_path(p)
+            for path, leaf in flat:
+                arrays[f"{name}{jax.tree_util.keystr(path)}"] = int(leaf.nbytes)
+        if self.data is not None:
+            arrays["data"] = int(self.data.nbytes)
+        if self._input_order is not None:
+            arrays["input_order"] = int(self._input_order.nbytes)
+        total = sum(arrays.values())
+        strategies = {}
+        for direction, view in (("forward", s), ("transpose", s.transpose())):
+            for platform in ("cpu", "gpu/tpu"):
+                strategies[f"{direction}, xla on {platform}"] = xla_kernels.choose_strategy(
+                    view, on_cpu=platform == "cpu"
+                )
+            for name in self.index.plans:
+                if name == "xla":
+                    continue
+                runs = "xla gather (one entry per row)" if view.one_per_row else "kernel"
+                if name == "pallas_gpu" and n_features and not view.one_per_row:
+                    runs += f" (block_n, num_warps) = {gpu_kernels.tile_config(n_features)}"
+                strategies[f"{direction}, {name}"] = runs
+        kind = s.layout.kind + (" (transposed view)" if s.transposed else "")
+        return PlanInfo(
             self.shape,
-            self.data is not None,
-            self.pattern.row_of_col is not None,
-            self.pattern.col_of_row is not None,
-            self.identity_columns,
-            self.t_identity_columns,
+            self.nnz,
+            kind,
+            self.backends,
+            arrays,
+            total / self.nnz if self.nnz else float("nan"),
+            strategies,
         )
 
     def __repr__(self) -> str:
@@ -305,26 +425,22 @@ class CSRMatrix:
         data = _check_values(data, self.nnz, "data")
         return CSRMatrix(
             data,
-            self.pattern,
-            shape=self.shape,
-            identity_columns=self.identity_columns,
-            t_identity_columns=self.t_identity_columns,
-            input_order=self.input_order,
+            self.index,
+            self._input_order,
+            input_order_is_columns=self._input_order_is_columns,
         )
 
     @property
     def T(self) -> CSRMatrix:  # noqa: N802 - numpy spelling
-        """The transpose, from the structure planned at construction (no host work)."""
-        p = self.pattern
-        data = None if self.data is None else self.data[p.t_perm]
-        order = None if self.input_order is None else self.input_order[p.t_perm]
+        """The transpose: the same planned arrays, viewed transposed (no host work)."""
+        s = self.structure
+        data = None if self.data is None else s.transpose_values(self.data)
+        order = None if self._input_order is None else s.transpose_values(self._input_order)
         return CSRMatrix(
             data,
-            p.transpose(),
-            shape=(self.shape[1], self.shape[0]),
-            identity_columns=self.t_identity_columns,
-            t_identity_columns=self.identity_columns,
-            input_order=order,
+            self.index.transpose(),
+            order,
+            input_order_is_columns=self._input_order_is_columns,
         )
 
     # ---------------------------------------------------------------- interop
@@ -333,15 +449,22 @@ class CSRMatrix:
         m, n = self.shape
         if dtype is None:
             dtype = jnp.float32 if self.data is None else self.data.dtype
-        rows = xla_kernels.row_ids(self.pattern)
+        rows = self.structure.row_ids()
         values = jnp.ones(self.nnz, dtype) if self.data is None else self.data.astype(dtype)
         return jnp.zeros((m, n), dtype).at[rows, self.indices].add(values)
 
     def to_scipy(self) -> sp.csr_array:
-        """A ``scipy.sparse.csr_array`` copy (host). One-valued matrices get float32 ones."""
-        data = (
-            np.ones(self.nnz, np.float32) if self.data is None else _host_values(self.data, "data")
-        )
+        """A ``scipy.sparse.csr_array`` copy (host).
+
+        One-valued matrices get float32 ones; float16/bfloat16 values become float32
+        (scipy's sparse routines take neither).
+        """
+        if self.data is None:
+            data = np.ones(self.nnz, np.float32)
+        else:
+            data = _host_values(self.data, "data")
+            if data.dtype in (np.float16, jnp.bfloat16):
+                data = data.astype(np.float32)
         return sp.csr_array(
             (data, np.asarray(self.indices), np.asarray(self.indptr)), shape=self.shape
         )
@@ -361,3 +484,136 @@ class CSRMatrix:
             )
         out = matmul(self.T, jnp.moveaxis(x, -1, 0))
         return jnp.moveaxis(out, 0, -1)
+
+
+# --------------------------------------------------------------------- matmul
+def matmul(
+    A: CSRMatrix,
+    X: Any,
+    *,
+    reduce: str = "sum",
+    return_arg: bool = False,
+    impl: str | None = None,
+    interpret: bool = False,
+) -> Any:
+    """Sparse x dense product ``A @ X``, or its max/min/mean semiring variant.
+
+    ``out[i] = reduce_k data[k] * X[indices[k]]`` over the stored entries ``k`` of row
+    ``i`` (duplicate entries count separately; a one-valued matrix has no multiply).
+
+    Args:
+      A: a :class:`~jaxcsr.CSRMatrix` of shape ``(m, n)``.
+      X: dense array of shape ``(n,)`` or ``(n, *features)``; float16, bfloat16,
+        float32, float64 (with x64) or integer. Trailing dimensions are flattened
+        into one feature axis internally.
+      reduce: ``"sum"`` (the matrix product), ``"mean"`` (the sum divided by the
+        row's number of stored entries; floor division for integers, as
+        torch_scatter), ``"max"`` or ``"min"``. Empty rows give 0 for every reduce
+        (torch_scatter's convention; ``jax.ops.segment_max`` gives ``-inf``). NaN
+        propagates into every reduce.
+      return_arg: with ``reduce="max"``/``"min"``, also return the column index
+        attaining each output element (ties: the first stored entry of the row,
+        i.e. the smallest column); empty rows get the sentinel ``n = A.shape[1]``.
+      impl: ``None`` runs the platform's kernel when ``A`` carries its plan and the
+        dtypes suit it (the Triton kernel on CUDA, the Mosaic kernel on TPU, for
+        16/32-bit floats), else XLA; ``"xla"`` forces the XLA path;
+        ``"pallas_gpu"``/``"pallas_tpu"`` force a kernel, which needs ``A`` built
+        with it in ``backends=``. Every reduce runs on every impl. Rows holding at
+        most one entry each (the transpose of a ``from_indices`` matrix) are a row
+        gather, which XLA runs on every impl.
+      interpret: run a Pallas impl in Pallas interpret mode on CPU.
+
+    Returns:
+      Array of shape ``(m,)`` or ``(m, *features)``, or ``(out, arg)`` with
+      ``return_arg=True`` (``arg`` int32, same shape). The dtype is ``X.dtype`` for a
+      one-valued matrix, else the promotion of ``A.dtype`` and ``X.dtype``. Sums of
+      16-bit floats are accumulated in float32. Gradients: exact for ``mean``; for
+      ``max``/``min`` they flow to the attaining entry only (the tie choice above).
+
+    Raises:
+      TypeError: ``X`` is not a numeric array (booleans included), complex ``X`` with
+        ``reduce="max"``/``"min"``, or a kernel ``impl`` with a dtype it does not
+        support.
+      ValueError: ``X`` has rank 0 or ``X.shape[0] != A.shape[1]``; unknown ``impl``
+        or ``reduce``; a kernel ``impl`` whose plan ``A`` does not carry (build it
+        with ``backends=``); ``return_arg`` with a reduce other than max/min.
+      NotImplementedError: (when traced) a Pallas impl on a platform it does not
+        target, without ``interpret=True``.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp
+      >>> from jaxcsr import CSRMatrix, matmul
+      >>> A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0]), num_rows=4)
+      >>> matmul(A, jnp.arange(5.0))
+      Array([4., 3., 3., 0.], dtype=float32)
+      >>> matmul(A, jnp.arange(5.0), reduce="max", return_arg=True)
+      (Array([4., 3., 2., 0.], dtype=float32), Array([4, 3, 2, 5], dtype=int32))
+    """
+    if not isinstance(A, CSRMatrix):
+        raise TypeError(f"A must be a jaxcsr.CSRMatrix, got {type(A).__name__}")
+    _check_impl(impl, interpret, A)
+    _check_reduce(reduce, return_arg)
+    if isinstance(X, CSRMatrix):
+        raise TypeError("X must be a dense array; sparse @ sparse is not supported")
+    X = jnp.asarray(X)
+    if X.dtype == np.bool_ or not (jnp.issubdtype(X.dtype, jnp.number)):
+        raise TypeError(f"X must have a numeric dtype, got {X.dtype}")
+    if X.ndim == 0:
+        raise ValueError("X must have rank >= 1, got a scalar (shape ())")
+    if reduce in xla_kernels.EXTREMES and (
+        jnp.issubdtype(X.dtype, jnp.complexfloating)
+        or (A.dtype is not None and jnp.issubdtype(A.dtype, jnp.complexfloating))
+    ):
+        raise TypeError(f"reduce={reduce!r} needs real dtypes, got X {X.dtype}, A {A.dtype}")
+    if impl not in (None, "xla") and not kernels.BACKENDS[impl].supports(X.dtype, A.dtype):
+        raise TypeError(
+            f"impl={impl!r} supports float16/bfloat16/float32, got X {X.dtype} and data {A.dtype}"
+        )
+    m, n = A.shape
+    if X.shape[0] != n:
+        raise ValueError(f"X.shape[0] must equal A.shape[1] = {n}, got X.shape = {X.shape}")
+    s = A.structure
+    features = X.shape[1:]
+    x2 = X.reshape(n, int(np.prod(features, dtype=np.int64)))
+    semiring = reduce
+    if reduce == "mean" or (reduce in xla_kernels.EXTREMES and s.one_per_row):
+        semiring = "sum"  # a mean is a sum divided; one entry per row is its own max
+    out = product(x2, A.data, A.index, reduce=semiring, impl=impl, interpret=interpret)
+    if reduce == "mean":
+        out = _divide_by_degree(out, s)
+    if not return_arg:
+        return out.reshape((m, *features))
+    x2, data, found = jax.lax.stop_gradient((x2, A.data, out))
+    arg = xla_kernels.extreme_columns(x2, data, s, found)
+    return out.reshape((m, *features)), arg.reshape((m, *features))
+
+
+def _check_impl(impl: str | None, interpret: bool, A: CSRMatrix) -> None:
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool, got {interpret!r}")
+    if impl is not None and impl not in A.index.plans:
+        raise ValueError(
+            f"impl={impl!r} needs a matrix planned for it, but this one has "
+            f"backends={A.backends}; build it with backends=(..., {impl!r}), e.g. "
+            f"CSRMatrix.from_indices(idx, num_rows, backends=['xla', {impl!r}])"
+        )
+
+
+def _check_reduce(reduce: str, return_arg: bool) -> None:
+    if reduce not in REDUCTIONS:
+        raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
+    if not isinstance(return_arg, bool):
+        raise TypeError(f"return_arg must be a bool, got {return_arg!r}")
+    if return_arg and reduce not in xla_kernels.EXTREMES:
+        raise ValueError(f"return_arg=True needs reduce='max' or 'min', got {reduce!r}")
+
+
+def _divide_by_degree(total: jax.Array, structure: Structure) -> jax.Array:
+    """Row sums -> row means; empty rows stay 0. Integers use floor division."""
+    degree = jnp.maximum(structure.degrees(), 1)[:, None]
+    if jnp.issubdtype(total.dtype, jnp.integer):
+        return jnp.floor_divide(total, degree.astype(total.dtype))
+    acc = accumulation_dtype(total.dtype)
+    return (total.astype(acc) / degree.astype(acc)).astype(total.dtype)

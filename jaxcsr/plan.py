@@ -16,28 +16,25 @@ Conventions
 
 from __future__ import annotations
 
-import dataclasses
 import operator
 from typing import Any
 
 import numpy as np
 
+from jaxcsr.structure import Layout, Structure
+
 __all__ = [
-    "Structure",
-    "TransposePlan",
     "check_csr_arrays",
-    "check_shape",
     "check_segment_ids",
+    "check_shape",
+    "check_size",
     "coo_to_csr",
     "index_dtype_for",
-    "plan_structure",
-    "plan_transpose",
-    "plan_work_items",
-    "plan_tile_schedule",
-    "TileSchedule",
-    "WorkItems",
     "row_ids",
     "segment_ids_to_csr",
+    "structure_from_csr",
+    "structure_from_segment_ids",
+    "transpose_csr",
 ]
 
 
@@ -59,6 +56,8 @@ def _as_host_int_array(value: Any, name: str) -> np.ndarray:
                 "argument (it is a pytree)."
             ) from err
         raise TypeError(f"{name} must be an array of integers, got {type(value)!r}") from err
+    if arr.size == 0 and arr.dtype == np.float64 and not isinstance(value, np.ndarray):
+        arr = arr.astype(np.int32)  # an empty list or tuple: no ids, as jax.ops accepts
     if arr.dtype == object:
         raise TypeError(f"{name} must be an array of integers, got dtype object")
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
@@ -66,7 +65,10 @@ def _as_host_int_array(value: Any, name: str) -> np.ndarray:
     return arr
 
 
-def _check_size(value: Any, name: str) -> int:
+def check_size(value: Any, name: str) -> int:
+    """Validates a size argument: a non-negative int (bools rejected), named in errors."""
+    if isinstance(value, bool | np.bool_):
+        raise TypeError(f"{name} must be an int, got the bool {value!r}")
     try:
         size = operator.index(value)
     except TypeError as err:
@@ -108,7 +110,7 @@ def check_segment_ids(
       ValueError: ``idx`` not 1-D, traced, or out of range; ``num_rows < 0``.
     """
     idx_name, size_name = names
-    num_rows = _check_size(num_rows, size_name)
+    num_rows = check_size(num_rows, size_name)
     arr = _as_host_int_array(idx, idx_name)
     if arr.ndim != 1:
         raise ValueError(f"{idx_name} must be 1-D, got shape {arr.shape}")
@@ -125,7 +127,10 @@ def segment_ids_to_csr(idx: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.n
       ``order`` is also the CSR column-index array, since column ``j`` is input ``j``.
     """
     itype = index_dtype_for(idx.size, num_rows)
-    order = np.argsort(idx, kind="stable").astype(itype)
+    if is_sorted(idx):
+        order = np.arange(idx.size, dtype=itype)
+    else:
+        order = np.argsort(idx, kind="stable").astype(itype, copy=False)
     counts = np.bincount(idx, minlength=num_rows)
     indptr = np.zeros(num_rows + 1, dtype=itype)
     np.cumsum(counts, out=indptr[1:])
@@ -166,7 +171,7 @@ def check_shape(shape: Any) -> tuple[int, int]:
         m, n = shape
     except (TypeError, ValueError) as err:
         raise ValueError(f"shape must be a pair (rows, cols), got {shape!r}") from err
-    return _check_size(m, "shape[0]"), _check_size(n, "shape[1]")
+    return check_size(m, "shape[0]"), check_size(n, "shape[1]")
 
 
 def check_csr_arrays(
@@ -205,22 +210,9 @@ def check_csr_arrays(
     return indptr.astype(itype), indices.astype(itype)
 
 
-@dataclasses.dataclass(frozen=True)
-class TransposePlan:
-    """The CSR structure of ``A.T`` and how A's nonzeros map onto it.
-
-    Attributes:
-      indptr: ``(n + 1,)`` row pointer of ``A.T``.
-      indices: ``(nnz,)`` column indices of ``A.T`` (= row indices of ``A``).
-      perm: ``(nnz,)``; ``perm[k]`` is the position in A's CSR order of the ``k``-th
-        nonzero of ``A.T``, so ``data_T = data[perm]``.
-      inverse_perm: ``(nnz,)`` inverse of ``perm``, so ``data = data_T[inverse_perm]``.
-    """
-
-    indptr: np.ndarray
-    indices: np.ndarray
-    perm: np.ndarray
-    inverse_perm: np.ndarray
+def is_sorted(ids: np.ndarray) -> bool:
+    """Whether ``ids`` is non-decreasing."""
+    return bool(ids.size < 2 or np.all(ids[1:] >= ids[:-1]))
 
 
 def row_ids(indptr: np.ndarray) -> np.ndarray:
@@ -228,137 +220,64 @@ def row_ids(indptr: np.ndarray) -> np.ndarray:
     return np.repeat(np.arange(indptr.size - 1, dtype=indptr.dtype), np.diff(indptr))
 
 
-def plan_transpose(
+def transpose_csr(
     indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, int]
-) -> TransposePlan:
-    """Plans ``A.T`` in CSR form (a stable counting sort by column)."""
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR of ``A.T`` (a stable counting sort by column).
+
+    Returns:
+      ``(t_indptr, t_indices, perm)``: ``A.T``'s row pointer ``(n + 1,)`` and column
+      indices ``(nnz,)``, and ``perm`` with ``data_T = data[perm]`` (the position in
+      A's CSR order of each entry of ``A.T``).
+    """
     _, n = shape
-    perm = np.argsort(indices, kind="stable").astype(indptr.dtype)
+    perm = np.argsort(indices, kind="stable").astype(indptr.dtype, copy=False)
     t_indptr = np.zeros(n + 1, dtype=indptr.dtype)
     np.cumsum(np.bincount(indices, minlength=n), out=t_indptr[1:])
-    inverse = np.empty_like(perm)
-    inverse[perm] = np.arange(perm.size, dtype=perm.dtype)
-    return TransposePlan(t_indptr, row_ids(indptr)[perm], perm, inverse)
+    return t_indptr, row_ids(indptr)[perm], perm
 
 
-@dataclasses.dataclass(frozen=True)
-class Structure:
-    """Static facts about a CSR structure that decide which strategy runs.
+def structure_from_segment_ids(idx: np.ndarray, num_rows: int) -> Structure:
+    """The ``"columns"`` structure of ``A[idx[j], j] = 1`` (validated ids), host arrays.
 
-    Attributes:
-      row_of_col: ``(n,)`` for matrices with at most one nonzero per column (the
-        matrices of ``from_indices``): the row of column ``j``'s nonzero, or ``m``
-        (out of range) where column ``j`` is empty. ``None`` otherwise. With it,
-        ``A @ X`` is a scatter-add of X's rows, no gather needed.
-      col_of_row: ``(m,)`` for matrices with at most one nonzero per row (such as
-        the transpose of a ``from_indices`` matrix): the column of row ``i``'s
-        nonzero, or ``n`` where row ``i`` is empty. ``None`` otherwise. With it,
-        ``A @ X`` is a row gather of X.
-      identity_columns: every column holds exactly one nonzero and the CSR column
-        indices are ``0, 1, ..., n-1`` in order (segment ids already sorted): the
-        product streams X in order.
+    Sorting ``idx`` (stable, skipped when already sorted) is the only ``O(K log K)``
+    step; nothing about the transpose is stored (it is the row gather ``Y[idx]``).
     """
+    indptr, order = segment_ids_to_csr(idx, num_rows)
+    sorted_ids = is_sorted(idx)
+    layout = Layout((num_rows, idx.size), idx.size, "columns", sorted_ids)
+    row_of_col = idx.astype(indptr.dtype, copy=False)
+    indices = None if sorted_ids else order
+    return Structure(indptr, indices, row_of_col, None, None, None, layout)
 
-    row_of_col: np.ndarray | None
-    col_of_row: np.ndarray | None
-    identity_columns: bool
+
+def _columns_structure(
+    indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, int]
+) -> Structure:
+    """``"columns"`` structure of a CSR with at most one entry per column."""
+    m, n = shape
+    row_of_col = np.full(n, m, dtype=indptr.dtype)
+    row_of_col[indices] = row_ids(indptr)
+    sorted_ids = bool(indices.size == n and np.array_equal(indices, np.arange(n)))
+    layout = Layout(shape, int(indices.size), "columns", sorted_ids)
+    return Structure(indptr, None if sorted_ids else indices, row_of_col, None, None, None, layout)
 
 
-def plan_structure(indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, int]) -> Structure:
-    """Classifies a validated CSR structure (see :class:`Structure`)."""
+def structure_from_csr(
+    indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, int]
+) -> Structure:
+    """Classifies a validated host CSR and plans its :class:`~jaxcsr.structure.Structure`.
+
+    At most one entry per column: the ``"columns"`` kind. At most one per row: the
+    ``"columns"`` kind of the transpose, viewed transposed. Otherwise ``"general"``,
+    with the planned transpose. Values stay in this CSR order in every case.
+    """
     m, n = shape
     nnz = indices.size
-    col_counts = np.bincount(indices, minlength=n)
-    row_of_col = col_of_row = None
-    if nnz == 0 or col_counts.max() <= 1:
-        row_of_col = np.full(n, m, dtype=indptr.dtype)
-        row_of_col[indices] = row_ids(indptr)
-    row_counts = np.diff(indptr)
-    if nnz == 0 or row_counts.max() <= 1:
-        col_of_row = np.full(m, n, dtype=indptr.dtype)
-        col_of_row[row_counts > 0] = indices
-    identity = bool(nnz == n and np.array_equal(indices, np.arange(n)))
-    return Structure(row_of_col, col_of_row, identity)
-
-
-@dataclasses.dataclass(frozen=True)
-class WorkItems:
-    """A load-balanced split of a CSR matrix's nonzeros into bounded work items.
-
-    Item ``t`` reduces nonzeros ``start[t]:end[t]`` (at most ``chunk`` of them), all
-    in row ``row[t]``. A row longer than ``chunk`` is split over several items
-    (their partial sums are combined by atomic adds), so one huge row cannot
-    serialise a kernel; empty rows get no item (the output starts at zero). The
-    item count is padded to a multiple of ``items_per_program`` with empty items.
-    """
-
-    row: np.ndarray
-    start: np.ndarray
-    end: np.ndarray
-    chunk: int
-    items_per_program: int
-
-    @property
-    def num_programs(self) -> int:
-        return self.row.size // self.items_per_program
-
-
-def plan_work_items(indptr: np.ndarray, chunk: int, items_per_program: int) -> WorkItems:
-    """Splits every row into items of at most ``chunk`` nonzeros (host, once)."""
-    if chunk < 1 or items_per_program < 1:
-        raise ValueError(
-            f"chunk and items_per_program must be >= 1, got {chunk}, {items_per_program}"
-        )
-    lengths = np.diff(indptr).astype(np.int64)
-    pieces = -(-lengths // chunk)  # ceil; 0 for empty rows
-    row = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    start = indptr[:-1].astype(np.int64)[row] + (np.arange(row.size) - first) * chunk
-    end = np.minimum(start + chunk, indptr[1:].astype(np.int64)[row])
-    pad = (-row.size) % items_per_program
-    if row.size == 0:
-        pad = items_per_program
-    itype = indptr.dtype
-    row = np.concatenate([row, np.zeros(pad, np.int64)]).astype(itype)
-    start = np.concatenate([start, np.zeros(pad, np.int64)]).astype(itype)
-    end = np.concatenate([end, np.zeros(pad, np.int64)]).astype(itype)
-    return WorkItems(row, start, end, chunk, items_per_program)
-
-
-@dataclasses.dataclass(frozen=True)
-class TileSchedule:
-    """The (output-row tile, nonzero tile) pairs of the block-sparse TPU product.
-
-    Step ``s`` multiplies nonzero tile ``nnz_tile[s]`` (``block_k`` consecutive
-    nonzeros in CSR order) into output tile ``out_tile[s]`` (``block_m`` rows).
-    Steps of one output tile are consecutive; ``first[s]`` marks the first (the
-    accumulator is zeroed there), and every output tile has at least one step, so
-    tiles without nonzeros are written as zeros.
-    """
-
-    out_tile: np.ndarray
-    nnz_tile: np.ndarray
-    first: np.ndarray
-    block_m: int
-    block_k: int
-
-
-def plan_tile_schedule(indptr: np.ndarray, block_m: int, block_k: int) -> TileSchedule:
-    """Covers each output tile's contiguous nonzero range with nonzero tiles (host)."""
-    m = indptr.size - 1
-    num_out = max(1, -(-m // block_m))
-    bounds = np.minimum(np.arange(num_out + 1) * block_m, m)
-    start, end = indptr[bounds[:-1]].astype(np.int64), indptr[bounds[1:]].astype(np.int64)
-    k0 = start // block_k
-    k1 = np.where(end > start, -(-end // block_k), k0 + 1)  # empty tile: one step
-    counts = k1 - k0
-    out_tile = np.repeat(np.arange(num_out), counts)
-    first_pos = np.cumsum(counts) - counts
-    nnz_tile = k0[out_tile] + np.arange(out_tile.size) - first_pos[out_tile]
-    first = np.zeros(out_tile.size, np.int32)
-    first[first_pos] = 1
-    max_tile = max(0, -(-int(indptr[-1]) // block_k) - 1)
-    nnz_tile = np.minimum(nnz_tile, max_tile)  # an empty matrix still has tile 0
-    return TileSchedule(
-        out_tile.astype(np.int32), nnz_tile.astype(np.int32), first, block_m, block_k
-    )
+    if nnz == 0 or np.bincount(indices, minlength=n).max() <= 1:
+        return _columns_structure(indptr, indices, shape)
+    t_indptr, t_indices, perm = transpose_csr(indptr, indices, shape)
+    if np.diff(indptr).max() <= 1:
+        return _columns_structure(t_indptr, t_indices, (n, m)).transpose()
+    layout = Layout(shape, int(nnz), "general")
+    return Structure(indptr, indices, None, t_indptr, t_indices, perm, layout)

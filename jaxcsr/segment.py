@@ -31,10 +31,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcsr import plan
-from jaxcsr.kernels import xla as xla_kernels
-from jaxcsr.matrix import CSRMatrix
-from jaxcsr.ops import matmul
+from jaxcsr import kernels, plan
+from jaxcsr.matrix import CSRMatrix, matmul
 
 __all__ = [
     "MODES",
@@ -76,7 +74,11 @@ def _host_ids(segment_ids: Any) -> np.ndarray:
 
 
 def segment_matrix(
-    segment_ids: Any, num_segments: int | None = None, mode: str | None = None
+    segment_ids: Any,
+    num_segments: int | None = None,
+    mode: str | None = None,
+    *,
+    backends: Any = None,
 ) -> CSRMatrix:
     """The one-valued ``(num_segments, len(segment_ids))`` matrix, cached by value.
 
@@ -85,6 +87,8 @@ def segment_matrix(
       num_segments: number of segments; ``None`` means ``max(segment_ids) + 1``
         (0 for no ids), as in ``jax.ops``.
       mode: one of :data:`MODES`.
+      backends: backends to plan for (see :class:`~jaxcsr.CSRMatrix`); part of the
+        cache key.
 
     Returns:
       A :class:`~jaxcsr.CSRMatrix` ``A`` with ``A[segment_ids[j], j] = 1`` (entries
@@ -100,25 +104,25 @@ def segment_matrix(
     ids = _host_ids(segment_ids)
     if num_segments is None:
         num_segments = int(ids.max()) + 1 if ids.size else 0
+    num_segments = plan.check_size(num_segments, "num_segments")  # before the cache: 2.0 != 2
+    backends = kernels.resolve_backends(backends)
     names = ("segment_ids", "num_segments")
     digest = hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
-    key = (digest, ids.dtype.str, ids.size, num_segments, mode)
+    key = (digest, ids.dtype.str, ids.size, num_segments, mode, backends)
     with _cache_lock:
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
     if mode in ("drop", "fill"):
-        if isinstance(num_segments, int) and num_segments >= 0:
-            keep = (ids >= 0) & (ids < num_segments)
-        else:
-            keep = np.ones(ids.shape, bool)
+        keep = (ids >= 0) & (ids < num_segments)
         kept, num_segments = plan.check_segment_ids(ids[keep], num_segments, names=names)
-        matrix = CSRMatrix.from_coo(kept, np.flatnonzero(keep), shape=(num_segments, ids.size))
+        shape = (num_segments, ids.size)
+        matrix = CSRMatrix.from_coo(kept, np.flatnonzero(keep), shape=shape, backends=backends)
     else:
-        if mode == "clip" and isinstance(num_segments, int) and num_segments > 0:
+        if mode == "clip" and num_segments > 0:
             ids = np.clip(ids, 0, num_segments - 1)
         ids, num_segments = plan.check_segment_ids(ids, num_segments, names=names)
-        matrix = CSRMatrix.from_indices(ids, num_rows=num_segments)
+        matrix = CSRMatrix.from_indices(ids, num_rows=num_segments, backends=backends)
     with _cache_lock:
         _cache[key] = matrix
         while len(_cache) > CACHE_SIZE:
@@ -136,10 +140,17 @@ def _check_axis(data: jax.Array, axis: int) -> int:
     return int(axis) % data.ndim
 
 
-def _prepare(data: Any, segment_ids: Any, num_segments, mode, axis) -> tuple:
+def _backends_for(impl: str | None) -> tuple[str, ...] | None:
+    """Backends a segment function plans: the defaults, plus a kernel ``impl`` asks for."""
+    if impl is None or impl not in kernels.BACKENDS:
+        return None  # an unknown impl is rejected by matmul, naming impl
+    return (*kernels.default_backends(), impl)
+
+
+def _prepare(data: Any, segment_ids: Any, num_segments, mode, axis, impl=None) -> tuple:
     data = jnp.asarray(data)
     axis = _check_axis(data, axis)
-    A = segment_matrix(segment_ids, num_segments, mode)
+    A = segment_matrix(segment_ids, num_segments, mode, backends=_backends_for(impl))
     if A.shape[1] != data.shape[axis]:
         raise ValueError(
             f"data.shape[{axis}] must equal len(segment_ids) = {A.shape[1]}, "
@@ -165,7 +176,7 @@ def _segment_reduction(reduce: str, summary: str, example: str):
         impl: str | None = None,
     ) -> Any:
         del indices_are_sorted, unique_indices, bucket_size  # the plan knows
-        A, x, axis = _prepare(data, segment_ids, num_segments, mode, axis)
+        A, x, axis = _prepare(data, segment_ids, num_segments, mode, axis, impl)
         result = matmul(A, x, reduce=reduce, return_arg=return_arg, impl=impl)
         if return_arg:
             out, arg = result
@@ -234,7 +245,7 @@ def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
     ``shifted`` is each logit minus its segment's (finite) max ``peak``; ``total`` the
     per-segment sum of ``exp(shifted)``; all in float32 or wider.
     """
-    A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis)
+    A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis, impl)
     if not jnp.issubdtype(x.dtype, jnp.floating):
         raise TypeError(f"logits must have a floating dtype, got {x.dtype}")
     dtype = x.dtype
@@ -317,7 +328,7 @@ def segment_logsumexp(
     A, axis, _, _, total, peak, dtype = _softmax_parts(
         logits, segment_ids, num_segments, axis, impl
     )
-    degrees = xla_kernels.row_degrees(A.pattern)
+    degrees = A.structure.degrees()
     nonempty = (degrees > 0).reshape((-1,) + (1,) * (total.ndim - 1))
     # log(0) only where the segment is empty; keep its gradient finite there.
     out = jnp.where(nonempty, jnp.log(jnp.where(nonempty, total, 1)) + peak, 0)

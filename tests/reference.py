@@ -10,6 +10,9 @@ from jax.test_util import check_grads
 
 from jaxcsr import CSRMatrix
 
+ALL = ("xla", "pallas_gpu", "pallas_tpu")
+"""Every backend: what tests that run the kernels in interpret mode plan for."""
+
 
 def random_values(rng: np.random.Generator, shape, dtype=np.float32) -> np.ndarray:
     """Random values away from 0 and 1 (never all zeros, never all ones)."""
@@ -101,7 +104,7 @@ def check_product_grads(f, args, order: int = 1) -> None:
 def assert_kernel_grads(matmul, rng: np.random.Generator, m: int, n: int) -> None:
     """Gradients through ``matmul(A, x)`` on a power-law matrix: the X cotangent against
     the float64 ``A.T @ ct``, and numerical checks w.r.t. both the values and X."""
-    A = CSRMatrix.from_scipy(random_csr(rng, m, n, "power_law"))
+    A = CSRMatrix.from_scipy(random_csr(rng, m, n, "power_law"), backends=ALL)
     x = jnp.asarray(random_values(rng, (n, 3)), jnp.float32)
     ct = random_values(rng, (m, 3)).astype(np.float32)
     g = jax.grad(lambda x: jnp.sum(matmul(A, x) * ct))(x)

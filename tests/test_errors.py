@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.sparse as sp
+from reference import ALL
 
 import jaxcsr
 from jaxcsr import CSRMatrix
@@ -62,13 +63,13 @@ def test_matmul_bad_operand():
 
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 def test_pallas_impl_off_its_platform_is_explained(impl):
-    A = CSRMatrix.from_indices(np.array([0, 2, 1]), num_rows=3)
+    A = CSRMatrix.from_indices(np.array([0, 2, 1]), num_rows=3, backends=ALL)
     with pytest.raises(NotImplementedError, match=f"impl='{impl}' needs platform.*interpret=True"):
         jaxcsr.matmul(A, jnp.ones(3), impl=impl)
 
 
 def test_data_length_mismatch():
-    A = CSRMatrix.from_indices(np.array([0, 2, 1]), num_rows=3)
+    A = CSRMatrix.from_indices(np.array([0, 2, 1]), num_rows=3, backends=ALL)
     with pytest.raises(ValueError, match=r"data must have shape \(nnz,\) = \(3,\), got \(4,\)"):
         A.with_data(jnp.ones(4))
     with pytest.raises(TypeError, match="data must have a numeric dtype, got bool"):

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax import export
 from reference import (
+    ALL,
     assert_close,
     assert_kernel_grads,
     dense_of,
@@ -19,7 +20,7 @@ from reference import (
 )
 
 import jaxcsr
-from jaxcsr import CSRMatrix, plan
+from jaxcsr import CSRMatrix
 from jaxcsr.kernels import gpu
 
 TRITON_CALL = "__gpu$xla.gpu.triton"
@@ -42,7 +43,7 @@ def _one_heavy_row_ids(rng, size, num_rows):
 def test_segment_sum_with_one_heavy_row(rng, dtype, n_features):
     idx = _one_heavy_row_ids(rng, 300, 13)
     assert np.bincount(idx, minlength=13)[6] > 4 * gpu.CHUNK
-    A = CSRMatrix.from_indices(idx, num_rows=13)
+    A = CSRMatrix.from_indices(idx, num_rows=13, backends=ALL)
     v = random_values(rng, (300, n_features)).astype(dtype)
     out = gpu_matmul(A, jnp.asarray(v))
     assert out.dtype == np.dtype(dtype)
@@ -56,7 +57,7 @@ def test_segment_sum_with_one_heavy_row(rng, dtype, n_features):
 def test_max_min_across_split_rows(rng, reduce):
     """A row split over many work items: partial maxima meet in the atomics."""
     idx = _one_heavy_row_ids(rng, 300, 13)
-    A = CSRMatrix.from_indices(idx, num_rows=13)
+    A = CSRMatrix.from_indices(idx, num_rows=13, backends=ALL)
     v = random_values(rng, (300, 5)).astype(np.float32)
     v[idx == 6, 0] = -1e30  # the heavy row's column 0: all very negative but one
     v[np.flatnonzero(idx == 6)[200], 0] = 3.0
@@ -71,7 +72,7 @@ def test_max_min_across_split_rows(rng, reduce):
 @pytest.mark.parametrize("kind", ["power_law", "empty_rows", "empty"])
 def test_general_matrix_with_values(rng, kind):
     mat = random_csr(rng, 21, 17, kind)
-    A = CSRMatrix.from_scipy(mat)
+    A = CSRMatrix.from_scipy(mat, backends=ALL)
     x = random_values(rng, (17, 3, 2)).astype(np.float32)  # N-D features
     out = gpu_matmul(A, jnp.asarray(x))
     assert_close(out, np.einsum("mn,nab->mab", mat.toarray(), x.astype(np.float64)), np.float32)
@@ -80,7 +81,7 @@ def test_general_matrix_with_values(rng, kind):
 def test_matches_xla_path_on_power_law_ids(rng):
     idx = power_law_ids(rng, 400, 29)
     w = random_values(rng, (400,)).astype(np.float32)
-    A = CSRMatrix.from_indices(idx, num_rows=29, data=w)
+    A = CSRMatrix.from_indices(idx, num_rows=29, data=w, backends=ALL)
     v = jnp.asarray(random_values(rng, (400, 7)), jnp.float32)
     assert_close(gpu_matmul(A, v), np.asarray(jaxcsr.matmul(A, v, impl="xla")), np.float32)
 
@@ -90,14 +91,14 @@ def test_grads_through_the_kernel(rng):
 
 
 def test_vmap_and_jit(rng):
-    A = CSRMatrix.from_indices(power_law_ids(rng, 60, 7), num_rows=7)
+    A = CSRMatrix.from_indices(power_law_ids(rng, 60, 7), num_rows=7, backends=ALL)
     xs = random_values(rng, (2, 60, 3)).astype(np.float32)
     out = jax.jit(jax.vmap(lambda v: gpu_matmul(A, v)))(jnp.asarray(xs))
     assert_close(out, np.einsum("mn,bnf->bmf", dense_of(A), xs.astype(np.float64)), np.float32)
 
 
 def test_pallas_gpu_without_gpu_or_interpret_is_explained():
-    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2)
+    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2, backends=ALL)
     with pytest.raises(NotImplementedError, match=r"needs platform .cuda.*interpret=True"):
         jaxcsr.matmul(A, jnp.ones((3, 2)), impl="pallas_gpu")
     with pytest.raises(TypeError, match="pallas_gpu' supports float16/bfloat16/float32"):
@@ -106,9 +107,10 @@ def test_pallas_gpu_without_gpu_or_interpret_is_explained():
 
 def test_work_items_bound_every_loop():
     indptr = np.array([0, 0, 100, 101, 101, 140], np.int32)
-    items = plan.plan_work_items(indptr, chunk=32, items_per_program=4)
+    items = gpu.plan_work_items(indptr, chunk=32, items_per_program=4)
     lengths = items.end.astype(int) - items.start
     assert lengths.max() <= 32 and items.row.size % 4 == 0
+    assert items.row.size == gpu.work_item_capacity(5, 140, 32, 4)  # shape and nnz only
     covered = np.zeros(140, int)
     for r, s, e in zip(items.row, items.start, items.end, strict=True):
         assert e == s or indptr[r] <= s < e <= indptr[r + 1]
@@ -140,9 +142,11 @@ def _export_cuda(f, *args):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_to_triton_for_cuda(dtype):
-    A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0, 4, 4, 4]), num_rows=5)
+    A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0, 4, 4, 4]), num_rows=5, backends=ALL)
+    B = CSRMatrix.from_dense(np.arange(1.0, 41.0).reshape(5, 8), backends=ALL)  # general
     fwd = jax.jit(lambda v: A @ v)  # impl=None picks the kernel on CUDA
-    bwd = jax.jit(jax.grad(lambda v: jnp.sum(A @ v).astype(jnp.float32)))
+    # the backward of a general matrix is the kernel on the planned transpose
+    bwd = jax.jit(jax.grad(lambda v: jnp.sum(B.with_data(B.data.astype(v.dtype)) @ v)))
     for f in (fwd, bwd):
         text = _export_cuda(f, jax.ShapeDtypeStruct((8, 20), dtype)).mlir_module()
         assert TRITON_CALL in set(re.findall(r"custom_call @([\w$.]+)", text))

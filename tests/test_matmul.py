@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 import scipy.sparse as sp
 from reference import (
+    ALL,
     assert_close,
     power_law_ids,
     random_csr,
@@ -30,7 +31,7 @@ SHAPES = [(1, 1), (7, 13), (37, 129), (130, 9), (0, 5), (5, 0)]
 def test_scipy_matrix_times_dense(rng, shape, kind, dtype):
     m, n = shape
     mat = random_csr(rng, m, n, kind)
-    A = CSRMatrix.from_scipy(mat)
+    A = CSRMatrix.from_scipy(mat, backends=ALL)
     x = random_values(rng, (n, 6)).astype(dtype)
     out = A @ jnp.asarray(x)
     assert out.dtype == jnp.result_type(A.dtype, dtype) and out.shape == (m, 6)
@@ -47,9 +48,9 @@ def test_from_indices_equals_segment_sum(rng, size, num_rows, sorted_ids, dtype)
     idx = power_law_ids(rng, size, num_rows) if num_rows else np.zeros(0, int)
     if sorted_ids:
         idx = np.sort(idx)
-    A = CSRMatrix.from_indices(idx, num_rows=num_rows)
+    A = CSRMatrix.from_indices(idx, num_rows=num_rows, backends=ALL)
     if sorted_ids:
-        assert A.identity_columns  # the streaming CSR-kernel path is exercised
+        assert A.structure.sorted_ids  # the streaming CSR-kernel path is exercised
     values = random_values(rng, (size, 3, 5)).astype(dtype)  # N-D features
     out = A @ jnp.asarray(values)
     assert out.dtype == np.dtype(dtype) and out.shape == (num_rows, 3, 5)
@@ -63,7 +64,7 @@ def test_from_indices_equals_segment_sum(rng, size, num_rows, sorted_ids, dtype)
 def test_from_indices_with_weights(rng):
     idx = power_law_ids(rng, 300, 40)
     w = random_values(rng, (300,)).astype(np.float32)
-    A = CSRMatrix.from_indices(idx, num_rows=40, data=w)
+    A = CSRMatrix.from_indices(idx, num_rows=40, data=w, backends=ALL)
     np.testing.assert_array_equal(np.asarray(A.data), w[np.asarray(A.input_order)])
     values = random_values(rng, (300, 4)).astype(np.float32)
     assert_close(A @ values, segment_reference(values * w[:, None], idx, 40), np.float32)
@@ -73,7 +74,7 @@ def test_from_indices_with_weights(rng):
 def test_last_axis_scatter(rng, dtype):
     """``values @ A.T`` scatter-adds along the last axis (the seed's layout)."""
     idx = power_law_ids(rng, 257, 33)
-    A = CSRMatrix.from_indices(idx, num_rows=33)
+    A = CSRMatrix.from_indices(idx, num_rows=33, backends=ALL)
     values = random_values(rng, (2, 3, 257)).astype(dtype)
     out = jnp.asarray(values) @ A.T
     expected = np.moveaxis(segment_reference(np.moveaxis(values, -1, 0), idx, 33), 0, -1)
@@ -83,7 +84,7 @@ def test_last_axis_scatter(rng, dtype):
 
 def test_vector_operand_and_transpose(rng):
     mat = random_csr(rng, 45, 31, "power_law")
-    A = CSRMatrix.from_scipy(mat)
+    A = CSRMatrix.from_scipy(mat, backends=ALL)
     x = random_values(rng, (31,)).astype(np.float32)
     y = random_values(rng, (45,)).astype(np.float32)
     assert_close(A @ x, mat @ x.astype(np.float64), np.float32)
@@ -94,7 +95,7 @@ def test_vector_operand_and_transpose(rng):
 
 def test_integer_values(rng):
     idx = power_law_ids(rng, 500, 20)
-    A = CSRMatrix.from_indices(idx, num_rows=20)
+    A = CSRMatrix.from_indices(idx, num_rows=20, backends=ALL)
     values = rng.integers(-50, 50, size=(500, 3)).astype(np.int32)
     out = A @ jnp.asarray(values)
     assert out.dtype == np.int32
@@ -105,7 +106,7 @@ def test_float64_with_x64(rng):
     mat = random_csr(rng, 30, 20, "uniform")
     x = random_values(rng, (20, 3))
     with jax.enable_x64(True):
-        A = CSRMatrix.from_scipy(mat)
+        A = CSRMatrix.from_scipy(mat, backends=ALL)
         assert A.dtype == np.float64
         out = A @ jnp.asarray(x)
         assert out.dtype == np.float64
@@ -116,18 +117,20 @@ def _pattern_case(rng, kind):
     """A matrix of a structure class plus its float64 scipy twin."""
     if kind == "segment":
         idx = power_law_ids(rng, 400, 37)
-        A = CSRMatrix.from_indices(idx, num_rows=37)
+        A = CSRMatrix.from_indices(idx, num_rows=37, backends=ALL)
         return A, sp.csr_array((np.ones(400), (idx, np.arange(400))), shape=(37, 400))
     if kind == "segment_sorted":
         idx = np.sort(power_law_ids(rng, 400, 37))
-        A = CSRMatrix.from_indices(idx, num_rows=37, data=random_values(rng, (400,)))
+        A = CSRMatrix.from_indices(idx, num_rows=37, data=random_values(rng, (400,)), backends=ALL)
         return A, A.to_scipy().astype(np.float64)
     if kind == "gather":
         idx = power_law_ids(rng, 400, 37)
-        A = CSRMatrix.from_indices(idx, num_rows=37, data=random_values(rng, (400,))).T
+        A = CSRMatrix.from_indices(
+            idx, num_rows=37, data=random_values(rng, (400,)), backends=ALL
+        ).T
         return A, A.to_scipy().astype(np.float64)
     mat = random_csr(rng, 41, 77, "power_law")
-    A = CSRMatrix.from_scipy(mat)
+    A = CSRMatrix.from_scipy(mat, backends=ALL)
     return A, mat
 
 
@@ -146,8 +149,8 @@ STRATEGY_CASES = [
 def test_every_strategy_computes_the_same_function(rng, kind, strategy):
     A, mat = _pattern_case(rng, kind)
     x = random_values(rng, (A.shape[1], 5)).astype(np.float32)
-    out = jax.jit(lambda x, d, p: xla_kernels.spmm(x, d, p, shape=A.shape, strategy=strategy))(
-        x, A.data, A.pattern
+    out = jax.jit(lambda x, d, s: xla_kernels.spmm(x, d, s, strategy=strategy))(
+        x, A.data, A.structure
     )
     assert_close(out, mat @ x.astype(np.float64), np.float32)
 
@@ -156,37 +159,36 @@ def test_strategy_preconditions(rng):
     A, _ = _pattern_case(rng, "general")
     x = jnp.ones((A.shape[1], 2))
     with pytest.raises(ValueError, match="scatter"):
-        xla_kernels.spmm(x, A.data, A.pattern, shape=A.shape, strategy="scatter")
+        xla_kernels.spmm(x, A.data, A.structure, strategy="scatter")
     with pytest.raises(ValueError, match="gather"):
-        xla_kernels.spmm(x, A.data, A.pattern, shape=A.shape, strategy="gather")
+        xla_kernels.spmm(x, A.data, A.structure, strategy="gather")
     with pytest.raises(ValueError, match="strategy must be one of"):
-        xla_kernels.spmm(x, A.data, A.pattern, shape=A.shape, strategy="nope")
+        xla_kernels.spmm(x, A.data, A.structure, strategy="nope")
 
 
-def test_strategy_choice():
+def test_strategy_choice(rng):
     choose = xla_kernels.choose_strategy
-    assert (
-        choose(has_row_of_col=True, has_col_of_row=False, identity_columns=False, on_cpu=True)
-        == "scatter"
+    segment, sorted_ids, gather, general = (
+        _pattern_case(rng, kind)[0].structure
+        for kind in ("segment", "segment_sorted", "gather", "general")
     )
-    assert choose(
-        has_row_of_col=True, has_col_of_row=False, identity_columns=True, on_cpu=True
-    ) == ("csr_kernel" if xla_kernels.HAS_CPU_CSR_KERNEL else "scatter")
-    assert (
-        choose(has_row_of_col=False, has_col_of_row=True, identity_columns=False, on_cpu=True)
-        == "gather"
-    )
-    assert (
-        choose(has_row_of_col=False, has_col_of_row=False, identity_columns=False, on_cpu=False)
-        == "segment"
-    )
+    csr_kernel = "csr_kernel" if xla_kernels.HAS_CPU_CSR_KERNEL else None
+    assert choose(segment, on_cpu=True) == "scatter"
+    assert choose(sorted_ids, on_cpu=True) == (csr_kernel or "scatter")
+    assert choose(sorted_ids, on_cpu=False) == "scatter"
+    assert choose(gather, on_cpu=True) == "gather"
+    assert choose(general, on_cpu=True) == (csr_kernel or "segment")
+    assert choose(general, on_cpu=False) == "segment"
+    # the transposed views swap scatter and gather
+    assert choose(segment.transpose(), on_cpu=False) == "gather"
+    assert choose(gather.transpose(), on_cpu=False) == "scatter"
 
 
 def test_duplicates_in_coo_add_up(rng):
     row = np.array([0, 2, 0, 2, 2, 1, 0])
     col = np.array([1, 0, 1, 3, 0, 2, 1])
     data = random_values(rng, (7,)).astype(np.float32)
-    A = CSRMatrix.from_coo(row, col, data, shape=(4, 5))
+    A = CSRMatrix.from_coo(row, col, data, shape=(4, 5), backends=ALL)
     x = random_values(rng, (5, 3)).astype(np.float32)
     dense = np.zeros((4, 5))
     np.add.at(dense, (row, col), data.astype(np.float64))

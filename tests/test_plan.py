@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
@@ -20,36 +21,44 @@ def test_segment_ids_to_csr_is_a_stable_sort():
     assert indptr.dtype == np.int32 and order.dtype == np.int32
 
 
-def test_transpose_plan_matches_scipy():
+def test_transpose_csr_matches_scipy():
     rng = np.random.default_rng(5)
     mat = sp.random_array((23, 31), density=0.2, format="csr", rng=rng)
     mat.sort_indices()
     indptr = mat.indptr.astype(np.int32)
     indices = mat.indices.astype(np.int32)
-    t = plan.plan_transpose(indptr, indices, mat.shape)
+    t_indptr, t_indices, perm = plan.transpose_csr(indptr, indices, mat.shape)
     ref = mat.T.tocsr()
     ref.sort_indices()
-    np.testing.assert_array_equal(t.indptr, ref.indptr)
-    np.testing.assert_array_equal(t.indices, ref.indices)
-    np.testing.assert_array_equal(mat.data[t.perm], ref.data)
-    np.testing.assert_array_equal(t.perm[t.inverse_perm], np.arange(mat.nnz))
+    np.testing.assert_array_equal(t_indptr, ref.indptr)
+    np.testing.assert_array_equal(t_indices, ref.indices)
+    np.testing.assert_array_equal(mat.data[perm], ref.data)
 
 
-def test_structure_classes():
+def test_structure_kinds():
     idx = np.array([1, 0, 1, 3])
-    indptr, order = plan.segment_ids_to_csr(idx, 4)
-    s = plan.plan_structure(indptr, order, (4, 4))
-    np.testing.assert_array_equal(s.row_of_col, idx)
-    assert s.col_of_row is None and not s.identity_columns
-    t = plan.plan_transpose(indptr, order, (4, 4))
-    st_ = plan.plan_structure(t.indptr, t.indices, (4, 4))
-    np.testing.assert_array_equal(st_.col_of_row, idx)
-    sorted_ids = np.sort(idx)
-    indptr, order = plan.segment_ids_to_csr(sorted_ids, 4)
-    assert plan.plan_structure(indptr, order, (4, 4)).identity_columns
-    # an empty row marks its sentinel as n (out of range)
-    s = plan.plan_structure(np.array([0, 1, 1]), np.array([2]), (2, 3))
-    np.testing.assert_array_equal(s.col_of_row, [2, 3])
+    s = plan.structure_from_segment_ids(idx, 4)
+    assert s.layout.kind == "columns" and s.one_per_column and not s.sorted_ids
+    np.testing.assert_array_equal(s.row_of_col, idx)  # the ids themselves
+    np.testing.assert_array_equal(s.indices, [1, 0, 2, 3])  # their stable argsort
+    assert s.t_perm is None and s.t_indices is None  # nothing planned for the transpose
+    assert s.transpose().one_per_row
+    sorted_ids = plan.structure_from_segment_ids(np.sort(idx), 4)
+    assert sorted_ids.sorted_ids and sorted_ids.indices is None  # iota, not stored
+    # at most one entry per row: the columns kind of the transpose, viewed transposed
+    rows = plan.structure_from_csr(np.array([0, 1, 1, 2]), np.array([0, 0]), (3, 4))
+    assert rows.one_per_row and rows.layout.shape == (4, 3)
+    np.testing.assert_array_equal(rows.row_of_col, [0, 4, 0])  # empty row 1 -> sentinel 4
+    general = plan.structure_from_csr(np.array([0, 2, 3]), np.array([0, 1, 1]), (2, 2))
+    assert general.layout.kind == "general"
+    np.testing.assert_array_equal(general.t_perm, [0, 1, 2])
+    np.testing.assert_array_equal(general.t_indices, [0, 0, 1])
+
+
+def test_sorted_ids_skip_the_sort():
+    indptr, order = plan.segment_ids_to_csr(np.array([0, 0, 2, 3, 3]), 4)
+    np.testing.assert_array_equal(order, np.arange(5))
+    np.testing.assert_array_equal(indptr, [0, 2, 2, 3, 5])
 
 
 def test_index_dtype_widens_for_huge_sizes():
@@ -82,6 +91,29 @@ def test_random_coo_structures_match_dense_reference(m, n, data):
     assert_close(A @ jnp.asarray(x), dense @ x, np.float32)
     assert_close(A.T @ jnp.asarray(y), dense.T @ y, np.float32)
     assert_close(A.todense(), dense, np.float32)
+    _check_views(A, dense, x, y)
+
+
+def _check_views(A, dense, x, y):
+    """Every array a view derives equals scipy's; values survive .T.T; the data
+    gradient (SDDMM) matches ``y x^T`` at the stored entries, for both views."""
+    for view, ref in ((A, dense), (A.T, dense.T)):
+        got = view.to_scipy()
+        np.testing.assert_array_equal(np.diff(np.asarray(view.indptr)), np.diff(got.indptr))
+        assert_close(got.toarray(), ref, np.float32)
+        np.testing.assert_array_equal(
+            np.asarray(view.structure.degrees()), np.diff(np.asarray(view.indptr))
+        )
+        rows = np.asarray(view.structure.row_ids())
+        np.testing.assert_array_equal(rows, np.repeat(np.arange(ref.shape[0]), np.diff(got.indptr)))
+    np.testing.assert_array_equal(np.asarray(A.T.T.data), np.asarray(A.data))
+    x = np.concatenate([x, x[:, :1]], axis=1)[:, : y.shape[1]]  # one feature width
+    rows, cols = np.asarray(A.structure.row_ids()), np.asarray(A.indices)
+    grad = jax.grad(lambda d: jnp.sum((A.with_data(d) @ jnp.asarray(x)) * y))(A.data)
+    assert_close(grad, np.sum(y[rows] * x[cols], axis=1), np.float32)
+    t_rows, t_cols = np.asarray(A.T.structure.row_ids()), np.asarray(A.T.indices)
+    t_grad = jax.grad(lambda d: jnp.sum((A.T.with_data(d) @ jnp.asarray(y)) * x))(A.T.data)
+    assert_close(t_grad, np.sum(x[t_rows] * y[t_cols], axis=1), np.float32)
 
 
 @settings(max_examples=40, deadline=None)

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from jax import export
 from reference import (
+    ALL,
     assert_close,
     check_product_grads,
     dense_of,
@@ -30,18 +31,22 @@ PATHS = [("xla", False), ("pallas_gpu", True), ("pallas_tpu", True)]
 def structure(rng, kind: str) -> CSRMatrix:
     """Every structure class the XLA path distinguishes, with empty rows."""
     if kind == "segment":  # <= 1 nonzero per column: scatter strategy
-        return CSRMatrix.from_indices(power_law_ids(rng, 150, 23), num_rows=23)
+        return CSRMatrix.from_indices(power_law_ids(rng, 150, 23), num_rows=23, backends=ALL)
     if kind == "sorted_segment":  # identity columns: CSR-kernel strategy for sums
-        return CSRMatrix.from_indices(np.sort(power_law_ids(rng, 150, 23)), num_rows=23)
+        return CSRMatrix.from_indices(
+            np.sort(power_law_ids(rng, 150, 23)), num_rows=23, backends=ALL
+        )
     if kind == "gather":  # <= 1 nonzero per row
-        return CSRMatrix.from_indices(power_law_ids(rng, 40, 23), num_rows=23).T
+        return CSRMatrix.from_indices(power_law_ids(rng, 40, 23), num_rows=23, backends=ALL).T
     if kind == "weighted":  # general matrix with values
-        return CSRMatrix.from_scipy(random_csr(rng, 19, 31, "power_law"))
+        return CSRMatrix.from_scipy(random_csr(rng, 19, 31, "power_law"), backends=ALL)
     if kind == "weighted_segment":  # values on the scatter structure
         idx = power_law_ids(rng, 90, 11)
-        return CSRMatrix.from_indices(idx, num_rows=11, data=random_values(rng, (90,)))
+        return CSRMatrix.from_indices(
+            idx, num_rows=11, data=random_values(rng, (90,)), backends=ALL
+        )
     if kind == "empty":
-        return CSRMatrix.from_scipy(random_csr(rng, 6, 9, "empty"))
+        return CSRMatrix.from_scipy(random_csr(rng, 6, 9, "empty"), backends=ALL)
     raise ValueError(kind)
 
 
@@ -110,7 +115,7 @@ def test_kernels_match_reference(rng, impl, reduce, kind, dtype):
 @pytest.mark.parametrize("reduce", EXTREMES)
 def test_ties_go_to_the_smallest_column(rng, reduce, impl, interpret):
     idx = power_law_ids(rng, 200, 9)
-    A = CSRMatrix.from_indices(idx, num_rows=9)
+    A = CSRMatrix.from_indices(idx, num_rows=9, backends=ALL)
     x = rng.integers(-2, 3, size=(200, 4)).astype(np.float32)  # many ties
     out, arg = jaxcsr.matmul(
         A, jnp.asarray(x), reduce=reduce, return_arg=True, impl=impl, interpret=interpret
@@ -134,7 +139,7 @@ def test_infinities_and_nan(reduce, impl, interpret):
     idx = np.array([0, 0, 0, 1, 1, 2, 2, 2, 4, 4])
     x = np.array([1.5, np.nan, -3.0, np.inf, -np.inf, -np.inf, -np.inf, -np.inf, 2.0, np.inf])
     x = np.stack([x, -x], axis=1).astype(np.float32)
-    A = CSRMatrix.from_indices(idx, num_rows=5)
+    A = CSRMatrix.from_indices(idx, num_rows=5, backends=ALL)
     out = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl=impl, interpret=interpret)
     expected, expected_arg = reduce_reference(A, x, reduce)
     with np.errstate(invalid="ignore"):
@@ -154,7 +159,7 @@ def test_infinities_and_nan(reduce, impl, interpret):
 @pytest.mark.parametrize("reduce", EXTREMES)
 def test_integer_max_min_and_floor_mean(rng, reduce):
     idx = power_law_ids(rng, 60, 7)
-    A = CSRMatrix.from_indices(idx, num_rows=7)
+    A = CSRMatrix.from_indices(idx, num_rows=7, backends=ALL)
     x = rng.integers(-50, 50, size=(60, 3)).astype(np.int32)
     out, arg = jaxcsr.matmul(A, x, reduce=reduce, return_arg=True)
     expected, expected_arg = reduce_reference(A, x, reduce)
@@ -187,7 +192,7 @@ def _separated_products(rng, idx: np.ndarray, weights: np.ndarray, n_features: i
 def test_gradients_reach_the_arg_positions_only(rng, reduce, impl, interpret):
     idx = power_law_ids(rng, 80, 10)
     weights = rng.uniform(0.5, 2.0, 80)
-    A = CSRMatrix.from_indices(idx, num_rows=10, data=weights)
+    A = CSRMatrix.from_indices(idx, num_rows=10, data=weights, backends=ALL)
     x = jnp.asarray(_separated_products(rng, idx, weights, 3))
     ct = random_values(rng, (10, 3)).astype(np.float32)
 
@@ -216,7 +221,7 @@ def test_gradients_reach_the_arg_positions_only(rng, reduce, impl, interpret):
 
 
 def test_mean_gradient_is_exact(rng):
-    A = CSRMatrix.from_scipy(random_csr(rng, 13, 17, "empty_rows"))
+    A = CSRMatrix.from_scipy(random_csr(rng, 13, 17, "empty_rows"), backends=ALL)
     x = jnp.asarray(random_values(rng, (17, 2)), jnp.float32)
     ct = random_values(rng, (13, 2))
     degree = np.maximum(np.diff(np.asarray(A.indptr)), 1)[:, None]
@@ -228,7 +233,7 @@ def test_mean_gradient_is_exact(rng):
 @pytest.mark.parametrize("reduce", REDUCES)
 def test_jit_vmap_and_scan(rng, reduce):
     idx = power_law_ids(rng, 50, 8)
-    A = CSRMatrix.from_indices(idx, num_rows=8)
+    A = CSRMatrix.from_indices(idx, num_rows=8, backends=ALL)
     xs = jnp.asarray(random_values(rng, (4, 50, 3)), jnp.float32)
     per_item = jnp.stack([jaxcsr.matmul(A, x, reduce=reduce) for x in xs])
     f = jax.jit(lambda A, x: jaxcsr.matmul(A, x, reduce=reduce))
@@ -244,7 +249,7 @@ def test_jit_vmap_and_scan(rng, reduce):
 
 
 def test_bad_reduce_arguments_are_named(rng):
-    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2)
+    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2, backends=ALL)
     x = jnp.ones((3, 2))
     with pytest.raises(ValueError, match="reduce must be one of"):
         jaxcsr.matmul(A, x, reduce="prod")
@@ -261,7 +266,7 @@ TRITON_CALL = "__gpu$xla.gpu.triton"
 
 @pytest.mark.parametrize("reduce", EXTREMES)
 def test_max_min_kernels_lower_for_hardware(rng, reduce):
-    A = CSRMatrix.from_indices(power_law_ids(rng, 300, 40), num_rows=40)
+    A = CSRMatrix.from_indices(power_law_ids(rng, 300, 40), num_rows=40, backends=ALL)
     spec = jax.ShapeDtypeStruct((300, 128), jnp.float32)
     gpu = jax.jit(lambda x: jaxcsr.matmul(A, x, reduce=reduce, impl="pallas_gpu"))
     checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]

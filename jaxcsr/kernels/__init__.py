@@ -1,8 +1,103 @@
-"""Backends that compute the CSR x dense product.
+"""The backend registry: which backends compute ``A @ X``, where, and what each plans.
+
+A :class:`Backend` is one module's entry: its name, the platform whose lowering runs
+it by default, the dtypes it takes, a host ``plan`` (what the backend reads beyond
+the portable core, :class:`~jaxcsr.structure.Structure`; ``None`` when nothing) and
+the kernel entry ``product``. Adding a backend means adding a module and one
+:func:`register` call here.
 
 * :mod:`jaxcsr.kernels.xla` -- pure XLA (and kernels jaxlib already ships); runs on
-  every platform and is the default on CPU.
-
+  every platform, plans nothing, and is what runs when no kernel is planned.
 * :mod:`jaxcsr.kernels.gpu` -- Pallas Triton kernel (load-balanced row work items).
 * :mod:`jaxcsr.kernels.tpu` -- Pallas Mosaic kernel (block-sparse one-hot MXU tiles).
 """
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import numpy as np
+
+from jaxcsr.dtypes import KERNEL_DTYPES
+from jaxcsr.kernels import gpu, tpu
+
+__all__ = ["BACKENDS", "Backend", "default_backends", "register", "resolve_backends"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One way to compute the product.
+
+    Attributes:
+      name: what ``backends=`` and ``impl=`` call it.
+      platform: the JAX platform whose default it is (``None``: none, the fallback).
+      dtypes: value/operand dtypes it takes (``None``: every numeric dtype).
+      plan: host function ``Structure (numpy leaves) -> plan pytree or None``.
+      product: ``(x, data, structure, plan, *, reduce, interpret) -> (m, F) float32``;
+        ``None`` for the XLA path, which the primitive runs itself.
+    """
+
+    name: str
+    platform: str | None
+    dtypes: tuple[np.dtype, ...] | None
+    plan: Callable[[Any], Any]
+    product: Callable[..., jax.Array] | None
+
+    def supports(self, *dtypes) -> bool:
+        """Whether every non-``None`` dtype is one this backend takes."""
+        if self.dtypes is None:
+            return True
+        return all(d is None or np.dtype(d) in self.dtypes for d in dtypes)
+
+
+BACKENDS: dict[str, Backend] = {}
+
+
+def register(backend: Backend) -> None:
+    """Adds (or replaces) a backend in :data:`BACKENDS`."""
+    BACKENDS[backend.name] = backend
+
+
+register(Backend("xla", None, None, lambda structure: None, None))
+register(Backend("pallas_gpu", "cuda", KERNEL_DTYPES, gpu.plan, gpu.product))
+register(Backend("pallas_tpu", "tpu", KERNEL_DTYPES, tpu.plan, tpu.product))
+
+
+def platform_kernel(platform: str) -> str | None:
+    """The backend that is the default on ``platform`` (``None``: XLA)."""
+    for backend in BACKENDS.values():
+        if backend.platform == platform:
+            return backend.name
+    return None
+
+
+def default_backends(platform: str | None = None) -> tuple[str, ...]:
+    """``("xla",)`` plus the kernel of ``platform`` (default: ``jax.default_backend()``)."""
+    platform = jax.default_backend() if platform is None else platform
+    kernel = platform_kernel({"gpu": "cuda"}.get(platform, platform))
+    return ("xla",) if kernel is None else ("xla", kernel)
+
+
+def resolve_backends(backends: Any) -> tuple[str, ...]:
+    """Validates a ``backends=`` argument; ``None`` means :func:`default_backends`.
+
+    ``"xla"`` is always included (it plans nothing). Returns a sorted tuple.
+    """
+    if backends is None:
+        names = default_backends()
+    else:
+        if isinstance(backends, str):
+            backends = (backends,)
+        try:
+            names = tuple(backends)
+        except TypeError as err:
+            raise TypeError(
+                f"backends must be a sequence of backend names, got {backends!r}"
+            ) from err
+        for name in names:
+            if name not in BACKENDS:
+                raise ValueError(f"backends: unknown backend {name!r}; known: {tuple(BACKENDS)}")
+    return tuple(sorted(set(names) | {"xla"}))

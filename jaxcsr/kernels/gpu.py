@@ -1,6 +1,8 @@
 """Pallas GPU kernel (Triton backend): load-balanced, row-tiled CSR x dense product.
 
-Schedule (planned on the host, :func:`jaxcsr.plan.plan_work_items`): the nonzeros
+Schedule (planned on the host by this module, :func:`plan_work_items`, into a
+:class:`GpuPlan` the matrix carries when built with ``backends=`` including
+``"pallas_gpu"``): the nonzeros
 are cut into *work items* of at most :data:`CHUNK` nonzeros, each inside one row;
 a row longer than ``CHUNK`` spans several items, so a row with 100k nonzeros is
 spread over thousands of programs instead of serialising one. Each program takes
@@ -28,7 +30,9 @@ are deterministic. The caller zeroes empty rows.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -36,6 +40,8 @@ import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as pltriton
+
+from jaxcsr.structure import Structure
 
 CHUNK = 32
 """Most nonzeros one work item reduces (bounds the longest serial loop)."""
@@ -79,6 +85,126 @@ def tile_config(n_features: int) -> tuple[int, int]:
     return TILE_TABLE[width]
 
 
+# ------------------------------------------------------------------ host plan
+@dataclasses.dataclass(frozen=True)
+class WorkItems:
+    """A load-balanced split of a CSR matrix's nonzeros into bounded work items.
+
+    Item ``t`` reduces nonzeros ``start[t]:end[t]`` (at most ``chunk`` of them), all
+    in row ``row[t]``. A row longer than ``chunk`` is split over several items
+    (their partial sums are combined by atomic adds), so one huge row cannot
+    serialise a kernel; empty rows get no item (the output starts at zero).
+
+    The arrays have :func:`work_item_capacity` entries -- a function of ``(m, nnz)``
+    only, so matrices of equal shape and nnz share one compilation; the slots after
+    the real items are empty (``start == end``).
+    """
+
+    row: Any
+    start: Any
+    end: Any
+    chunk: int
+    items_per_program: int
+
+    @property
+    def num_programs(self) -> int:
+        return self.row.shape[0] // self.items_per_program
+
+
+jax.tree_util.register_dataclass(
+    WorkItems, data_fields=["row", "start", "end"], meta_fields=["chunk", "items_per_program"]
+)
+
+
+def work_item_capacity(num_rows: int, nnz: int, chunk: int, items_per_program: int) -> int:
+    """Upper bound on the items of any ``(num_rows, nnz)`` structure, whole programs.
+
+    A row of length ``L`` takes ``ceil(L / chunk) <= L / chunk + 1`` items and at most
+    ``min(num_rows, nnz)`` rows are non-empty, so ``ceil(nnz / chunk) + min(num_rows,
+    nnz)`` items always suffice.
+    """
+    bound = -(-nnz // chunk) + min(num_rows, nnz)
+    return max(1, -(-bound // items_per_program)) * items_per_program
+
+
+def plan_work_items(indptr: np.ndarray, chunk: int = 0, items_per_program: int = 0) -> WorkItems:
+    """Splits every row into items of at most ``chunk`` nonzeros (host, once).
+
+    Defaults: :data:`CHUNK` and :data:`ITEMS_PER_PROGRAM`.
+    """
+    chunk = chunk or CHUNK
+    items_per_program = items_per_program or ITEMS_PER_PROGRAM
+    if chunk < 1 or items_per_program < 1:
+        raise ValueError(
+            f"chunk and items_per_program must be >= 1, got {chunk}, {items_per_program}"
+        )
+    indptr = np.asarray(indptr)
+    lengths = np.diff(indptr).astype(np.int64)
+    pieces = -(-lengths // chunk)  # ceil; 0 for empty rows
+    row = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    start = indptr[:-1].astype(np.int64)[row] + (np.arange(row.size) - first) * chunk
+    end = np.minimum(start + chunk, indptr[1:].astype(np.int64)[row])
+    capacity = work_item_capacity(lengths.size, int(indptr[-1]), chunk, items_per_program)
+    itype = indptr.dtype
+    out = [np.zeros(capacity, itype) for _ in range(3)]
+    for dst, src in zip(out, (row, start, end), strict=True):
+        dst[: src.size] = src
+    return WorkItems(*out, chunk, items_per_program)
+
+
+@dataclasses.dataclass(frozen=True)
+class GpuPlan:
+    """What the Triton kernel reads beyond the portable core.
+
+    Attributes:
+      items: work items of the planned orientation ``C``.
+      t_items: work items of ``C.T`` for ``"general"`` structures; ``None`` for the
+        ``"columns"`` kind, whose transpose is a row gather (XLA's own gather does
+        what a kernel would: one load per output row).
+    """
+
+    items: WorkItems
+    t_items: WorkItems | None
+
+
+jax.tree_util.register_dataclass(GpuPlan, data_fields=["items", "t_items"], meta_fields=[])
+
+
+def plan(structure: Structure) -> GpuPlan:
+    """The host plan for a host :class:`~jaxcsr.structure.Structure` (numpy leaves)."""
+    items = plan_work_items(structure.indptr)
+    t_items = None
+    if structure.layout.kind == "general":
+        t_items = plan_work_items(structure.t_indptr)
+    return GpuPlan(items, t_items)
+
+
+def product(
+    x: jax.Array,
+    data: jax.Array | None,
+    structure: Structure,
+    gpu_plan: GpuPlan,
+    *,
+    reduce: str,
+    interpret: bool,
+) -> jax.Array:
+    """Kernel entry for the backend registry: the viewed matrix times ``x``, float32."""
+    if structure.one_per_row:
+        raise ValueError("a one-entry-per-row view is a row gather: the XLA path runs it")
+    items = gpu_plan.t_items if structure.transposed else gpu_plan.items
+    return spmm(
+        x,
+        data,
+        items,
+        structure.view_indices(),
+        num_rows=structure.shape[0],
+        reduce=reduce,
+        interpret=interpret,
+    )
+
+
+# --------------------------------------------------------------------- kernel
 def _kernel(row_ref, start_ref, end_ref, idx_ref, *refs, has_data, block_n, n_features, reduce):
     if has_data:
         data_ref, x_ref, _, out_ref = refs
@@ -126,7 +252,7 @@ def _kernel(row_ref, start_ref, end_ref, idx_ref, *refs, has_data, block_n, n_fe
 def spmm(
     x: jax.Array,
     data: jax.Array | None,
-    items: tuple[jax.Array, jax.Array, jax.Array],
+    items: WorkItems,
     indices: jax.Array,
     *,
     num_rows: int,
@@ -138,7 +264,7 @@ def spmm(
     Args:
       x: dense operand ``(n, F)``, float16/bfloat16/float32.
       data: ``(nnz,)`` values or ``None`` (one-valued: no multiply).
-      items: ``(row, start, end)`` work-item arrays, padded to whole programs.
+      items: :class:`WorkItems` (from :func:`plan_work_items`).
       indices: ``(nnz,)`` CSR column indices.
       num_rows: ``m``.
       reduce: ``"sum"``, ``"max"`` or ``"min"``.
@@ -149,14 +275,15 @@ def spmm(
     """
     n_features = x.shape[1]
     block_n, num_warps = tile_config(n_features)
-    row, start, end = items
+    row, start, end = items.row, items.start, items.end
     num_programs = row.shape[0] // ITEMS_PER_PROGRAM
     num_blocks = pl.cdiv(n_features, block_n)
     padded = num_blocks * block_n
     if reduce == "sum":
         init = jnp.zeros((num_rows, padded), jnp.float32)
     else:
-        init = jnp.full((num_rows, padded), -jnp.inf if reduce == "max" else jnp.inf)
+        fill = -jnp.inf if reduce == "max" else jnp.inf
+        init = jnp.full((num_rows, padded), fill, jnp.float32)  # float32 under x64 too
     operands = [row, start, end, indices, *([] if data is None else [data]), x, init]
     kernel = functools.partial(
         _kernel, has_data=data is not None, block_n=block_n, n_features=n_features, reduce=reduce

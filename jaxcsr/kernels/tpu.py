@@ -1,7 +1,8 @@
 """Pallas TPU kernel (Mosaic): block-sparse CSR x dense product on the MXU.
 
 TPUs have no fast random scatter, so the product is turned into a short list of dense
-tile products. The host plan (:func:`jaxcsr.plan.plan_tile_schedule`) lists, for each
+tile products. The host plan (:func:`plan_tile_schedule`, in this module; a matrix
+carries it when built with ``backends=`` including ``"pallas_tpu"``) lists, for each
 output tile of ``BLOCK_M`` rows, the tiles of ``BLOCK_K`` consecutive nonzeros (CSR
 order) that cover its nonzero range. The schedule is scalar-prefetched; BlockSpec index
 maps read it to fetch the row ids and value tile of step ``s`` and to place output tile
@@ -27,13 +28,19 @@ kernel a pure dense tile loop.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
+
+from jaxcsr.kernels.xla import entry_values
+from jaxcsr.structure import Structure
 
 BLOCK_M = 128
 """Output rows per tile (a multiple of 8)."""
@@ -47,6 +54,110 @@ _REDUCERS = {
 }
 
 
+# ------------------------------------------------------------------ host plan
+FIRST, NEXT, PAD = 1, 0, 2
+"""Values of ``TileSchedule.first``: first step of an output tile (zero it), a later
+step, or a padding step that does nothing."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TileSchedule:
+    """The (output-row tile, nonzero tile) pairs of the block-sparse TPU product.
+
+    Step ``s`` multiplies nonzero tile ``nnz_tile[s]`` (``block_k`` consecutive
+    nonzeros in CSR order) into output tile ``out_tile[s]`` (``block_m`` rows).
+    Steps of one output tile are consecutive; ``first[s]`` is :data:`FIRST` on the
+    first (the accumulator is zeroed there), and every output tile has at least one
+    step, so tiles without nonzeros are written as zeros.
+
+    The arrays have :func:`schedule_capacity` steps -- a function of ``(m, nnz)``
+    only, so matrices of equal shape and nnz share one compilation; the steps after
+    the real ones are :data:`PAD` (they revisit the last tiles and add nothing).
+    """
+
+    out_tile: Any
+    nnz_tile: Any
+    first: Any
+    block_m: int
+    block_k: int
+
+    @property
+    def num_steps(self) -> int:
+        """Steps that do work (not :data:`PAD`); host arrays only."""
+        return int(np.sum(np.asarray(self.first) != PAD))
+
+
+jax.tree_util.register_dataclass(
+    TileSchedule, data_fields=["out_tile", "nnz_tile", "first"], meta_fields=["block_m", "block_k"]
+)
+
+
+def schedule_capacity(num_rows: int, nnz: int, block_m: int, block_k: int) -> int:
+    """Upper bound on the steps of any ``(num_rows, nnz)`` structure.
+
+    Consecutive output tiles share at most one nonzero tile and an output tile with
+    no nonzeros takes one step, so ``#output tiles + #nonzero tiles`` steps suffice.
+    """
+    return max(1, -(-num_rows // block_m)) + max(1, -(-nnz // block_k))
+
+
+def plan_tile_schedule(indptr: np.ndarray, block_m: int = 0, block_k: int = 0) -> TileSchedule:
+    """Covers each output tile's contiguous nonzero range with nonzero tiles (host).
+
+    Defaults: :data:`BLOCK_M` and :data:`BLOCK_K`.
+    """
+    block_m, block_k = block_m or BLOCK_M, block_k or BLOCK_K
+    indptr = np.asarray(indptr)
+    m = indptr.size - 1
+    nnz = int(indptr[-1])
+    num_out = max(1, -(-m // block_m))
+    bounds = np.minimum(np.arange(num_out + 1) * block_m, m)
+    start, end = indptr[bounds[:-1]].astype(np.int64), indptr[bounds[1:]].astype(np.int64)
+    k0 = start // block_k
+    k1 = np.where(end > start, -(-end // block_k), k0 + 1)  # empty tile: one step
+    counts = k1 - k0
+    out_tile = np.repeat(np.arange(num_out), counts)
+    first_pos = np.cumsum(counts) - counts
+    nnz_tile = k0[out_tile] + np.arange(out_tile.size) - first_pos[out_tile]
+    max_tile = max(0, -(-nnz // block_k) - 1)
+    nnz_tile = np.minimum(nnz_tile, max_tile)  # an empty matrix still has tile 0
+    capacity = schedule_capacity(m, nnz, block_m, block_k)
+    steps = out_tile.size
+    padded = [np.zeros(capacity, np.int32) for _ in range(3)]
+    padded[0][:steps], padded[0][steps:] = out_tile, out_tile[-1]
+    padded[1][:steps], padded[1][steps:] = nnz_tile, nnz_tile[-1]  # same block: no new DMA
+    padded[2][:steps], padded[2][steps:] = NEXT, PAD
+    padded[2][first_pos] = FIRST
+    return TileSchedule(*padded, block_m, block_k)
+
+
+@dataclasses.dataclass(frozen=True)
+class TpuPlan:
+    """What the Mosaic kernel reads beyond the portable core.
+
+    Attributes:
+      tiles: tile schedule of the planned orientation ``C``.
+      t_tiles: schedule of ``C.T`` for ``"general"`` structures; ``None`` for the
+        ``"columns"`` kind, whose transpose is a row gather (run by XLA).
+    """
+
+    tiles: TileSchedule
+    t_tiles: TileSchedule | None
+
+
+jax.tree_util.register_dataclass(TpuPlan, data_fields=["tiles", "t_tiles"], meta_fields=[])
+
+
+def plan(structure: Structure) -> TpuPlan:
+    """The host plan for a host :class:`~jaxcsr.structure.Structure` (numpy leaves)."""
+    tiles = plan_tile_schedule(structure.indptr)
+    t_tiles = None
+    if structure.layout.kind == "general":
+        t_tiles = plan_tile_schedule(structure.t_indptr)
+    return TpuPlan(tiles, t_tiles)
+
+
+# --------------------------------------------------------------------- kernel
 def _onehot(rows_ref, base, dtype):
     """``(BLOCK_M, BLOCK_K)``: 1 where nonzero ``k`` belongs to output row ``base + i``."""
     local = rows_ref[...] - base  # (1, BLOCK_K); padding is < 0
@@ -58,12 +169,18 @@ def _sum_kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref
     del nnz_tile_ref
     s = pl.program_id(1)
 
-    @pl.when(first_ref[s] == 1)
+    @pl.when(first_ref[s] == FIRST)
     def _zero():
         o_ref[...] = jnp.zeros_like(o_ref)
 
+    @pl.when(first_ref[s] != PAD)
+    def _accumulate():
+        _sum_step(out_tile_ref[s], rows_ref, vals_ref, o_ref, precision)
+
+
+def _sum_step(out_tile, rows_ref, vals_ref, o_ref, precision):
     vals = vals_ref[...]
-    onehot = _onehot(rows_ref, out_tile_ref[s] * BLOCK_M, vals.dtype)
+    onehot = _onehot(rows_ref, out_tile * BLOCK_M, vals.dtype)
     wide = vals.astype(jnp.float32)  # Mosaic's isfinite takes float32 only
     finite = jnp.isfinite(wide)
     # 0 * inf is NaN on the MXU: a one-hot product would spread one non-finite value
@@ -92,13 +209,19 @@ def _extreme_kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o
     s = pl.program_id(1)
     identity, reducer, combine = _REDUCERS[reduce]
 
-    @pl.when(first_ref[s] == 1)
+    @pl.when(first_ref[s] == FIRST)
     def _fill():
         o_ref[...] = jnp.full(o_ref.shape, identity, o_ref.dtype)
 
+    @pl.when(first_ref[s] != PAD)
+    def _reduce():
+        _extreme_step(out_tile_ref[s], rows_ref, vals_ref, o_ref, identity, reducer, combine)
+
+
+def _extreme_step(out_tile, rows_ref, vals_ref, o_ref, identity, reducer, combine):
     # Transposed one-hot (BLOCK_K, BLOCK_M): column i masks the nonzeros of row i
     # down the sublanes of the (BLOCK_K, block_n) value tile.
-    members = jnp.transpose(_onehot(rows_ref, out_tile_ref[s] * BLOCK_M, jnp.float32))
+    members = jnp.transpose(_onehot(rows_ref, out_tile * BLOCK_M, jnp.float32))
     vals = vals_ref[...].astype(jnp.float32)
     for i in range(BLOCK_M):  # static: one masked sublane reduction per output row
         masked = jnp.where(members[:, i : i + 1] > 0, vals, identity)
@@ -109,7 +232,7 @@ def _extreme_kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o
 def spmm(
     values: jax.Array,
     rows: jax.Array,
-    schedule: tuple[jax.Array, jax.Array, jax.Array],
+    schedule: TileSchedule,
     *,
     num_rows: int,
     reduce: str = "sum",
@@ -124,7 +247,7 @@ def spmm(
       values: ``(nnz, F)`` per-nonzero rows (already gathered and weighted), in CSR
         order; bfloat16 runs natively on the MXU, float32 at HIGHEST precision.
       rows: ``(nnz,)`` int32 row of every nonzero (non-decreasing).
-      schedule: ``(out_tile, nnz_tile, first)`` from ``plan_tile_schedule``.
+      schedule: a :class:`TileSchedule` from :func:`plan_tile_schedule`.
       num_rows: ``m``.
       reduce: ``"sum"``, ``"max"`` or ``"min"``.
       interpret: ``True`` or ``pltpu.InterpretParams()`` to run on CPU.
@@ -133,7 +256,7 @@ def spmm(
       ``(m, F)`` float32.
     """
     nnz, f = values.shape
-    out_tile, nnz_tile, first = schedule
+    out_tile, nnz_tile, first = schedule.out_tile, schedule.nnz_tile, schedule.first
     num_k = max(1, pl.cdiv(nnz, BLOCK_K))
     num_m = max(1, pl.cdiv(num_rows, BLOCK_M))
     pad = num_k * BLOCK_K - nnz
@@ -165,3 +288,35 @@ def spmm(
         name="jaxcsr_block_spmm",
     )(out_tile, nnz_tile, first, rows[None, :], values)
     return out[:num_rows]
+
+
+def product(
+    x: jax.Array,
+    data: jax.Array | None,
+    structure: Structure,
+    tpu_plan: TpuPlan,
+    *,
+    reduce: str,
+    interpret: bool,
+) -> jax.Array:
+    """Kernel entry for the backend registry: the viewed matrix times ``x``, float32.
+
+    Gathers X's rows into nonzero order (XLA), then runs the block-sparse kernel.
+    """
+    if structure.one_per_row:
+        raise ValueError("a one-entry-per-row view is a row gather: the XLA path runs it")
+    values = entry_values(x, data, structure)
+    if values.dtype == jnp.float16:  # the MXU takes bfloat16 and float32
+        values = values.astype(jnp.float32)
+    tiles = tpu_plan.t_tiles if structure.transposed else tpu_plan.tiles
+    return spmm(
+        values,
+        structure.row_ids(),
+        tiles,
+        num_rows=structure.shape[0],
+        reduce=reduce,
+        # The TPU interpreter (pltpu.InterpretParams) runs on io_callbacks with ordered
+        # effects, which a primitive's lowering cannot host; the primitive uses the
+        # generic Pallas interpreter and tests run the kernel under both.
+        interpret=interpret,
+    )

@@ -1,0 +1,247 @@
+"""The portable core of a matrix: its index arrays, stored once, and what derives from them.
+
+Every backend reads this core; backends that need more (a kernel's schedule) plan it
+themselves (:mod:`jaxcsr.kernels`). A :class:`Structure` describes one *planned
+orientation* ``C`` of shape ``layout.shape`` and is viewed either as ``C`` or, with
+``transposed=True``, as ``C.T`` -- so a matrix and its transpose share one set of
+arrays, and :meth:`Structure.transpose` is free.
+
+Two kinds (``layout.kind``):
+
+``"columns"``
+    ``C`` has at most one stored entry per column: every ``from_indices`` matrix
+    (column ``j`` is input position ``j``). Stored: ``indptr`` ``(m + 1,)``,
+    ``indices`` ``(nnz,)`` (CSR order -> column; omitted when the ids were already
+    sorted, where it is ``0, 1, ..., n - 1``) and ``row_of_col`` ``(n,)`` (column ->
+    row, ``m`` for an empty column). ``C @ X`` is a scatter-add of X's rows by
+    ``row_of_col``; ``C.T @ Y`` is the row gather ``Y[row_of_col]``. A matrix with at
+    most one entry per *row* is stored as the transposed view of this kind.
+``"general"``
+    Anything else: ``indptr``, ``indices`` and the planned transpose -- ``t_indptr``
+    ``(n + 1,)``, ``t_indices`` ``(nnz,)`` and ``t_perm`` ``(nnz,)`` with
+    ``data_T = data[t_perm]``.
+
+Array lengths depend only on ``(m, n, nnz)`` and the kind, so matrices of equal shape,
+nnz and kind share one compilation. Everything else (row ids, the transposed view's
+``indptr``, per-column values) is derived on the device when a product needs it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+__all__ = ["KINDS", "Layout", "Structure"]
+
+KINDS: tuple[str, ...] = ("columns", "general")
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """Static (hashable) facts about a planned orientation ``C``.
+
+    Attributes:
+      shape: ``(m, n)`` of ``C``.
+      nnz: stored entries.
+      kind: ``"columns"`` (at most one entry per column) or ``"general"``.
+      sorted_ids: ``"columns"`` kind whose CSR column indices are ``0, ..., n - 1``
+        (segment ids given sorted): ``indices`` is not stored and X streams in order.
+    """
+
+    shape: tuple[int, int]
+    nnz: int
+    kind: str
+    sorted_ids: bool = False
+
+    def __post_init__(self):
+        if self.kind not in KINDS:
+            raise ValueError(f"kind must be one of {KINDS}, got {self.kind!r}")
+
+    @property
+    def full(self) -> bool:
+        """``"columns"`` kind with exactly one entry in every column (``nnz == n``)."""
+        return self.kind == "columns" and self.nnz == self.shape[1]
+
+
+def _iota(size: int, dtype) -> jax.Array:
+    return jnp.arange(size, dtype=dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Structure:
+    """Device index arrays of a planned orientation, viewed as ``C`` or ``C.T``.
+
+    Leaves (``None`` where the kind stores nothing): ``indptr``, ``indices``,
+    ``row_of_col`` (``"columns"``), ``t_indptr``, ``t_indices``, ``t_perm``
+    (``"general"``). Static: ``layout`` (:class:`Layout`) and ``transposed``.
+
+    Every method answers for the *viewed* matrix; values (``data``) are always in the
+    viewed matrix's CSR order.
+    """
+
+    indptr: Any
+    indices: Any
+    row_of_col: Any
+    t_indptr: Any
+    t_indices: Any
+    t_perm: Any
+    layout: Layout
+    transposed: bool = False
+
+    # ------------------------------------------------------------ shape, class
+    @property
+    def shape(self) -> tuple[int, int]:
+        m, n = self.layout.shape
+        return (n, m) if self.transposed else (m, n)
+
+    @property
+    def nnz(self) -> int:
+        return self.layout.nnz
+
+    @property
+    def one_per_column(self) -> bool:
+        """The view stores at most one entry per column: ``A @ X`` is a scatter-add."""
+        return self.layout.kind == "columns" and not self.transposed
+
+    @property
+    def one_per_row(self) -> bool:
+        """The view stores at most one entry per row: ``A @ X`` is a row gather."""
+        return self.layout.kind == "columns" and self.transposed
+
+    @property
+    def sorted_ids(self) -> bool:
+        """The view's CSR column indices are ``0, ..., n - 1`` (X streams in order)."""
+        return self.layout.sorted_ids and not self.transposed
+
+    @property
+    def index_dtype(self):
+        return self.indptr.dtype
+
+    def transpose(self) -> Structure:
+        """The same arrays viewed as the transpose (no device work)."""
+        return dataclasses.replace(self, transposed=not self.transposed)
+
+    def planned(self) -> Structure:
+        """The planned orientation ``C`` itself (untransposed view)."""
+        return dataclasses.replace(self, transposed=False)
+
+    # ---------------------------------------------------------- the CSR view
+    def view_indptr(self) -> jax.Array:
+        """``(rows + 1,)`` row pointer of the viewed matrix."""
+        if not self.transposed:
+            return self.indptr
+        if self.layout.kind == "general":
+            return self.t_indptr
+        n = self.layout.shape[1]
+        if self.layout.full:
+            return _iota(n + 1, self.index_dtype)
+        counts = self._nonempty_columns().astype(self.index_dtype)
+        return jnp.concatenate([jnp.zeros((1,), self.index_dtype), jnp.cumsum(counts)])
+
+    def view_indices(self) -> jax.Array:
+        """``(nnz,)`` column indices of the viewed matrix, in its CSR order."""
+        if not self.transposed:
+            return self._planned_indices()
+        if self.layout.kind == "general":
+            return self.t_indices
+        if self.layout.full:
+            return self.row_of_col
+        return self.row_of_col[self._nonempty_column_ids()]
+
+    def row_ids(self) -> jax.Array:
+        """``(nnz,)`` row of every stored entry of the viewed matrix, CSR order."""
+        nnz, dtype = self.nnz, self.index_dtype
+        if self.layout.kind == "general":
+            if self.transposed:
+                return self.indices[self.t_perm]
+            # A's rows are A.T's column indices, moved back to A's order.
+            return jnp.zeros((nnz,), dtype).at[self.t_perm].set(self.t_indices, unique_indices=True)
+        if self.transposed:
+            return _iota(nnz, dtype) if self.layout.full else self._nonempty_column_ids()
+        if self.layout.sorted_ids:
+            return self.row_of_col
+        return self.row_of_col[self.indices]
+
+    def degrees(self) -> jax.Array:
+        """Stored entries per row of the viewed matrix, ``(rows,)``."""
+        if self.one_per_row:
+            return self._nonempty_columns().astype(self.index_dtype)
+        return jnp.diff(self.view_indptr())
+
+    # -------------------------------------------------------- value orders
+    def transpose_values(self, values: jax.Array) -> jax.Array:
+        """Per-entry ``values`` in this view's CSR order -> the transposed view's order."""
+        if self.layout.kind == "general":
+            if not self.transposed:
+                return values[self.t_perm]
+            return jnp.zeros_like(values).at[self.t_perm].set(values, unique_indices=True)
+        if self.layout.sorted_ids:
+            return values
+        slot = self._transposed_slot()  # C's entry k sits at C.T position slot[k]
+        if not self.transposed:
+            return jnp.zeros_like(values).at[slot].set(values, unique_indices=True)
+        return values[slot]
+
+    def column_values(self, values: jax.Array) -> jax.Array:
+        """One-per-column view: per-entry ``values`` -> per column ``(n, ...)``, 0 if empty."""
+        assert self.one_per_column
+        if self.layout.sorted_ids:
+            return values
+        n = self.layout.shape[1]
+        out = jnp.zeros((n, *values.shape[1:]), values.dtype)
+        return out.at[self.indices].set(values, unique_indices=True)
+
+    def row_values(self, values: jax.Array) -> jax.Array:
+        """One-per-row view: per-entry ``values`` -> per row ``(rows, ...)``, 0 if empty."""
+        assert self.one_per_row
+        if self.layout.full:
+            return values
+        nonempty = self._nonempty_columns()
+        rank = jnp.clip(jnp.cumsum(nonempty) - 1, 0, max(self.nnz - 1, 0))
+        if self.nnz == 0:
+            return jnp.zeros((nonempty.shape[0], *values.shape[1:]), values.dtype)
+        picked = values[rank]
+        mask = nonempty.reshape((-1,) + (1,) * (values.ndim - 1))
+        return jnp.where(mask, picked, jnp.zeros((), values.dtype))
+
+    def compact_rows(self, per_row: jax.Array) -> jax.Array:
+        """One-per-row view: per-row values ``(rows, ...)`` -> per entry, CSR order."""
+        assert self.one_per_row
+        if self.layout.full:
+            return per_row
+        return per_row[self._nonempty_column_ids()]
+
+    # ------------------------------------------------------------- internals
+    def _planned_indices(self) -> jax.Array:
+        if self.layout.sorted_ids:
+            return _iota(self.nnz, self.index_dtype)
+        return self.indices
+
+    def _nonempty_columns(self) -> jax.Array:
+        return self.row_of_col < self.layout.shape[0]
+
+    def _nonempty_column_ids(self) -> jax.Array:
+        (ids,) = jnp.nonzero(self._nonempty_columns(), size=self.nnz)
+        return ids.astype(self.index_dtype)
+
+    def _transposed_slot(self) -> jax.Array:
+        """``"columns"`` kind: position in ``C.T``'s CSR order of ``C``'s entry ``k``."""
+        if self.layout.full:
+            return self.indices
+        rank = jnp.cumsum(self._nonempty_columns().astype(self.index_dtype)) - 1
+        return rank[self.indices]
+
+    def arrays(self) -> dict[str, Any]:
+        """The stored leaves by name (``None`` omitted)."""
+        names = ("indptr", "indices", "row_of_col", "t_indptr", "t_indices", "t_perm")
+        return {k: getattr(self, k) for k in names if getattr(self, k) is not None}
+
+
+jax.tree_util.register_dataclass(
+    Structure,
+    data_fields=["indptr", "indices", "row_of_col", "t_indptr", "t_indices", "t_perm"],
+    meta_fields=["layout", "transposed"],
+)
