@@ -1,0 +1,207 @@
+"""What a matrix holds and when it compiles: the backend registry, per-backend plans,
+``plan_info``, device bytes per nonzero, and one trace per (shape, nnz, class)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import scipy.sparse as sp
+from reference import ALL, assert_close, dense_of, power_law_ids, random_values
+
+import jaxcsr
+from jaxcsr import CSRMatrix, kernels
+
+
+def _leaf_bytes(tree) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree_util.tree_leaves(tree))
+
+
+# ----------------------------------------------------------------- registry
+def test_registry_and_defaults():
+    assert set(kernels.BACKENDS) == {"xla", "pallas_gpu", "pallas_tpu"}
+    assert kernels.BACKENDS["pallas_gpu"].platform == "cuda"
+    assert kernels.BACKENDS["pallas_tpu"].platform == "tpu"
+    assert kernels.default_backends("cpu") == ("xla",)
+    assert kernels.default_backends("gpu") == ("xla", "pallas_gpu")
+    assert kernels.default_backends("tpu") == ("xla", "pallas_tpu")
+    assert kernels.resolve_backends(None) == kernels.default_backends()
+    assert kernels.resolve_backends("pallas_gpu") == ("pallas_gpu", "xla")  # xla always
+    assert not kernels.BACKENDS["pallas_gpu"].supports(np.float32, np.int32)
+    assert kernels.BACKENDS["xla"].supports(np.int8, np.float64)
+
+
+def test_default_matrix_plans_only_the_default_backend(rng):
+    A = CSRMatrix.from_indices(power_law_ids(rng, 200, 17), num_rows=17)
+    assert A.backends == kernels.default_backends()
+    if jax.default_backend() == "cpu":
+        assert A.backends == ("xla",)
+        assert A.index.plans == {"xla": None}  # no kernel arrays held on CPU
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_impl_without_its_plan_raises_naming_backends(rng, impl):
+    A = CSRMatrix.from_indices(power_law_ids(rng, 50, 7), num_rows=7, backends=["xla"])
+    with pytest.raises(ValueError, match=rf"impl='{impl}' needs a matrix planned.*backends="):
+        jaxcsr.matmul(A, jnp.ones((50, 2)), impl=impl, interpret=True)
+    with pytest.raises(ValueError, match="backends="):
+        jaxcsr.matmul(A.T, jnp.ones((7, 2)), impl=impl, interpret=True)
+
+
+def test_bad_backends_argument():
+    with pytest.raises(ValueError, match="backends: unknown backend 'cuda'"):
+        CSRMatrix.from_indices(np.array([0, 1]), 2, backends=["cuda"])
+    with pytest.raises(TypeError, match="backends must be a sequence"):
+        CSRMatrix.from_indices(np.array([0, 1]), 2, backends=3)
+
+
+def test_segment_functions_plan_the_kernel_they_are_asked_for(rng):
+    idx = power_law_ids(rng, 60, 9)
+    x = jnp.asarray(random_values(rng, (60, 3)).astype(np.float32))
+    # planned on demand: the kernel is chosen (and cannot run on CPU without interpret)
+    with pytest.raises(NotImplementedError, match="impl='pallas_gpu' needs platform 'cuda'"):
+        jaxcsr.segment_sum(x, idx, 9, impl="pallas_gpu")
+    assert jaxcsr.segment_matrix(idx, 9, backends=["pallas_gpu"]).backends == ("pallas_gpu", "xla")
+
+
+# ------------------------------------------------------------ what is held
+def test_one_valued_from_indices_holds_at_most_12_bytes_per_id(rng):
+    """Device bytes of a one-valued segment matrix planned for XLA (deterministic):
+    the ids, their stable argsort and the row pointer; nothing for the transpose."""
+    K, M = 200_000, 10_000
+    idx = power_law_ids(rng, K, M)
+    A = CSRMatrix.from_indices(idx, num_rows=M, backends=["xla"])
+    held = _leaf_bytes(A)
+    assert held / K <= 12
+    assert held == 4 * K + 4 * K + 4 * (M + 1)  # row_of_col, indices, indptr
+    info = A.plan_info()
+    assert sum(info.arrays.values()) == held and info.bytes_per_nnz == held / K
+    assert info.strategies["forward, xla on cpu"] == "scatter"
+    assert info.strategies["transpose, xla on cpu"] == "gather"
+    # forward and backward both work from those arrays alone
+    x = jnp.asarray(random_values(rng, (K, 2)).astype(np.float32))
+    ct = jnp.asarray(random_values(rng, (M, 2)).astype(np.float32))
+    out, vjp = jax.vjp(lambda v: A @ v, x)
+    expected = np.zeros((M, 2))
+    np.add.at(expected, idx, np.asarray(x, np.float64))
+    assert_close(out, expected, np.float32)
+    assert_close(vjp(ct)[0], np.asarray(ct, np.float64)[idx], np.float32)
+    # sorted ids store no argsort at all
+    S = CSRMatrix.from_indices(np.sort(idx), num_rows=M, backends=["xla"])
+    assert _leaf_bytes(S) == 4 * K + 4 * (M + 1)
+
+
+def test_kernel_plans_are_held_only_when_asked_for(rng):
+    idx = power_law_ids(rng, 1000, 50)
+    xla = CSRMatrix.from_indices(idx, num_rows=50, backends=["xla"])
+    gpu = CSRMatrix.from_indices(idx, num_rows=50, backends=["xla", "pallas_gpu"])
+    info = gpu.plan_info(n_features=64)
+    kernel_arrays = {k for k in info.arrays if k.startswith("pallas_gpu")}
+    assert kernel_arrays == {
+        "pallas_gpu.items.row",
+        "pallas_gpu.items.start",
+        "pallas_gpu.items.end",
+    }
+    assert _leaf_bytes(gpu) - _leaf_bytes(xla) == sum(info.arrays[k] for k in kernel_arrays)
+    assert info.strategies["forward, pallas_gpu"].startswith("kernel (block_n, num_warps)")
+    assert info.strategies["transpose, pallas_gpu"].startswith("xla gather")
+    assert "pallas_tpu" not in info.backends
+    general = CSRMatrix.from_dense(np.arange(1.0, 13.0).reshape(3, 4), backends=ALL)
+    names = set(general.plan_info().arrays)
+    assert {"pallas_gpu.t_items.row", "pallas_tpu.t_tiles.first", "core.t_perm"} <= names
+    assert "core.row_of_col" not in names
+
+
+def test_plan_info_reports_general_extra_bytes(rng):
+    mat = sp.random_array((300, 400), density=0.05, format="csr", rng=rng)
+    A = CSRMatrix.from_scipy(mat, backends=["xla"])
+    info = A.plan_info()
+    assert info.kind == "general"
+    core = {"core.indptr", "core.indices", "data"}
+    extra = sum(v for k, v in info.arrays.items() if k not in core)
+    # beyond data + indices + indptr: the transpose's row pointer, indices and permutation
+    assert extra == 4 * (400 + 1) + 8 * A.nnz
+    assert info.strategies["transpose, xla on gpu/tpu"] == "segment"
+    assert "transposed view" in A.T.plan_info().kind
+    assert "B/nnz" in str(info)
+
+
+# ------------------------------------------------------------- compilation
+def _segment_structures(rng, num_rows, size):
+    """Same (num_rows, len(ids)), different row-length distributions."""
+    uniform = rng.integers(0, num_rows, size)
+    skewed = power_law_ids(rng, size, num_rows)
+    one_hub = np.where(rng.random(size) < 0.7, rng.integers(0, num_rows), uniform)
+    few_rows = rng.integers(0, 3, size)  # most rows empty
+    return [uniform, skewed, one_hub, few_rows]
+
+
+@pytest.mark.parametrize(
+    "impl,interpret,sizes",
+    [("xla", False, (300, 5000)), ("pallas_gpu", True, (40, 300)), ("pallas_tpu", True, (40, 300))],
+)
+def test_one_trace_for_segment_matrices_of_equal_shape(rng, impl, interpret, sizes):
+    """Random segment ids with different degree distributions share one trace of a
+    jitted forward + backward, on the XLA path and each kernel (interpret mode)."""
+    num_rows, size = sizes
+    traces = []
+
+    @jax.jit
+    def step(A, x, ct):
+        traces.append(1)
+        out, vjp = jax.vjp(lambda v: jaxcsr.matmul(A, v, impl=impl, interpret=interpret), x)
+        return out, vjp(ct)[0]
+
+    x = jnp.asarray(random_values(rng, (size, 3)).astype(np.float32))
+    ct = jnp.asarray(random_values(rng, (num_rows, 3)).astype(np.float32))
+    for ids in _segment_structures(rng, num_rows, size):
+        A = CSRMatrix.from_indices(ids, num_rows=num_rows, backends=ALL)
+        out, grad = step(A, x, ct)
+        expected = np.zeros((num_rows, 3))
+        np.add.at(expected, ids, np.asarray(x, np.float64))
+        assert_close(out, expected, np.float32)
+        assert_close(grad, np.asarray(ct, np.float64)[ids], np.float32)
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize(
+    "impl,interpret,sizes",
+    [
+        ("xla", False, (1000, 5000)),
+        ("pallas_gpu", True, (60, 300)),
+        ("pallas_tpu", True, (60, 300)),
+    ],
+)
+def test_one_trace_for_random_graphs_of_equal_shape_and_nnz(rng, impl, interpret, sizes):
+    """General matrices (random COO graphs, one with a hub row) of one shape and nnz:
+    one trace of forward + both gradients, results checked against dense float64."""
+    n, nnz = sizes
+    traces = []
+
+    @jax.jit
+    def step(A, x, ct):
+        traces.append(1)
+
+        def f(d, v):
+            return jaxcsr.matmul(A.with_data(d), v, impl=impl, interpret=interpret)
+
+        out, vjp = jax.vjp(f, A.data, x)
+        return out, *vjp(ct)
+
+    x = random_values(rng, (n, 2)).astype(np.float32)
+    ct = random_values(rng, (n, 2)).astype(np.float32)
+    for hub in (False, True, False):
+        row, col = rng.integers(0, n, nnz), rng.integers(0, n, nnz)
+        if hub:
+            row[: nnz // 3] = 0
+        vals = random_values(rng, (nnz,)).astype(np.float32)
+        A = CSRMatrix.from_coo(row, col, vals, shape=(n, n), backends=ALL)
+        out, d_data, d_x = step(A, jnp.asarray(x), jnp.asarray(ct))
+        dense = dense_of(A)
+        assert_close(out, dense @ x.astype(np.float64), np.float32)
+        assert_close(d_x, dense.T @ ct.astype(np.float64), np.float32)
+        rows = np.asarray(A.structure.row_ids())
+        cols = np.asarray(A.indices)
+        assert_close(d_data, np.sum(ct[rows] * x[cols], axis=1, dtype=np.float64), np.float32)
+    assert len(traces) == 1
