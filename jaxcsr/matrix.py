@@ -12,7 +12,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from jaxcsr import kernels, plan
-from jaxcsr.dtypes import accumulation_dtype
+from jaxcsr.dtypes import product_dtype
 from jaxcsr.kernels import gpu as gpu_kernels
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.ops import IMPLS, REDUCTIONS, Index, product
@@ -578,9 +578,17 @@ def matmul(
     semiring = reduce
     if reduce == "mean" or (reduce in xla_kernels.EXTREMES and s.one_per_row):
         semiring = "sum"  # a mean is a sum divided; one entry per row is its own max
-    out = product(x2, A.data, A.index, reduce=semiring, impl=impl, interpret=interpret)
+    out = product(
+        x2,
+        A.data,
+        A.index,
+        reduce=semiring,
+        accumulate=reduce == "mean",  # divide the float32 (int32) sum, then round once
+        impl=impl,
+        interpret=interpret,
+    )
     if reduce == "mean":
-        out = _divide_by_degree(out, s)
+        out = _divide_by_degree(out, s, dtype=product_dtype(X.dtype, A.dtype))
     if not return_arg:
         return out.reshape((m, *features))
     x2, data, found = jax.lax.stop_gradient((x2, A.data, out))
@@ -610,10 +618,10 @@ def _check_reduce(reduce: str, return_arg: bool) -> None:
         raise ValueError(f"return_arg=True needs reduce='max' or 'min', got {reduce!r}")
 
 
-def _divide_by_degree(total: jax.Array, structure: Structure) -> jax.Array:
-    """Row sums -> row means; empty rows stay 0. Integers use floor division."""
-    degree = jnp.maximum(structure.degrees(), 1)[:, None]
+def _divide_by_degree(total: jax.Array, structure: Structure, dtype) -> jax.Array:
+    """Row sums (accumulation dtype) -> row means in ``dtype``; empty rows stay 0.
+    Integers use floor division."""
+    degree = jnp.maximum(structure.degrees(), 1)[:, None].astype(total.dtype)
     if jnp.issubdtype(total.dtype, jnp.integer):
-        return jnp.floor_divide(total, degree.astype(total.dtype))
-    acc = accumulation_dtype(total.dtype)
-    return (total.astype(acc) / degree.astype(acc)).astype(total.dtype)
+        return jnp.floor_divide(total, degree).astype(dtype)
+    return (total / degree).astype(dtype)

@@ -10,7 +10,9 @@ has values, then the leaves of the :class:`Index` (the portable
 :class:`~jaxcsr.structure.Structure` and the per-backend plans). Static params:
 ``index_tree`` (the Index's treedef: layout, view and which plans are present),
 ``has_data``, ``reduce`` (``"sum"``, ``"max"`` or ``"min"``: the semiring; ``"mean"``
-is a sum divided outside the primitive), ``impl`` and ``interpret``.
+is a sum divided outside the primitive), ``accumulate`` (return the sum in the
+accumulation dtype -- float32 for 16-bit floats -- instead of rounding it to the
+product dtype; what the mean divides), ``impl`` and ``interpret``.
 
 The sum is bilinear in ``(X, data)``: its JVP binds the primitive on the tangents and
 its transpose is the product with the transposed view (and an SDDMM for ``data``).
@@ -79,12 +81,24 @@ def _unpack(operands: Any, index_tree, has_data: bool) -> tuple[Any, Any, Index]
     return x, data, jax.tree_util.tree_unflatten(index_tree, rest)
 
 
-def product(x, data, index: Index, **params) -> jax.Array:
+def product(x, data, index: Index, *, accumulate: bool = False, **params) -> jax.Array:
     """Binds the primitive: ``A @ x`` for a 2-D ``x``; ``params`` are ``reduce``,
-    ``impl`` and ``interpret``. Returns ``(m, F)`` in the product dtype."""
+    ``impl`` and ``interpret``. Returns ``(m, F)`` in the product dtype, or in its
+    accumulation dtype with ``accumulate=True``."""
     leaves, index_tree = jax.tree_util.tree_flatten(index)
     operands = [x, *([] if data is None else [data]), *leaves]
-    return csr_matmul_p.bind(*operands, index_tree=index_tree, has_data=data is not None, **params)
+    return csr_matmul_p.bind(
+        *operands,
+        index_tree=index_tree,
+        has_data=data is not None,
+        accumulate=accumulate,
+        **params,
+    )
+
+
+def _out_dtype(x_dtype, data_dtype, accumulate: bool):
+    dtype = product_dtype(x_dtype, data_dtype)
+    return accumulation_dtype(dtype) if accumulate else dtype
 
 
 # ---------------------------------------------------------------- impl / eval
@@ -106,7 +120,14 @@ def kernel_for(impl: str | None, platform: str, index: Index, x_dtype, data_dtyp
 
 
 def _lowered_impl(
-    *operands, index_tree, has_data, reduce: str, impl, interpret: bool, platform: str
+    *operands,
+    index_tree,
+    has_data,
+    accumulate: bool,
+    reduce: str,
+    impl,
+    interpret: bool,
+    platform: str,
 ) -> jax.Array:
     """What runs on one platform: a Pallas kernel or an XLA strategy."""
     x, data, index = _unpack(operands, index_tree, has_data)
@@ -134,7 +155,7 @@ def _lowered_impl(
         out = xla_kernels.spmm(x, data, s, strategy=strategy)
     else:
         out = xla_kernels.spmm_extreme(x, data, s, reduce=reduce)
-    return out.astype(product_dtype(x.dtype, data_dtype))
+    return out.astype(_out_dtype(x.dtype, data_dtype, accumulate))
 
 
 @functools.cache
@@ -150,10 +171,10 @@ csr_matmul_p.def_impl(_eager_impl)
 
 
 @csr_matmul_p.def_abstract_eval
-def _abstract_eval(*operands, index_tree, has_data, **params):
+def _abstract_eval(*operands, index_tree, has_data, accumulate, **params):
     del params
     x, data, index = _unpack(operands, index_tree, has_data)
-    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
+    dtype = _out_dtype(x.dtype, None if data is None else data.dtype, accumulate)
     return ShapedArray((index.structure.shape[0], x.shape[1]), dtype)
 
 
@@ -183,7 +204,7 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
     data_live = data_dot is not None and type(data_dot) is not ad.Zero
     if nnz == 0 or not (x_live or data_live):
         return jnp.zeros_like(out)
-    sum_params = {**params, "reduce": "sum"}
+    sum_params = {**params, "reduce": "sum", "accumulate": False}
     if s.one_per_column:
         # <= 1 nonzero per column (from_indices): the tangent is a masked sum,
         # A @ (mask * x_dot), whose transpose is a row gather times the mask.

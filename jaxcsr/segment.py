@@ -66,6 +66,8 @@ def _host_ids(segment_ids: Any) -> np.ndarray:
             "CSRMatrix.from_indices outside jit and pass the matrix in."
         )
     ids = np.asarray(segment_ids)
+    if ids.size == 0 and ids.dtype == np.float64 and not isinstance(segment_ids, np.ndarray):
+        ids = ids.astype(np.int32)  # an empty list or tuple: no ids, as jax.ops accepts
     if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
         raise TypeError(f"segment_ids must have an integer dtype, got {ids.dtype}")
     if ids.ndim != 1:

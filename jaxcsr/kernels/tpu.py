@@ -221,12 +221,23 @@ def _extreme_kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o
 def _extreme_step(out_tile, rows_ref, vals_ref, o_ref, identity, reducer, combine):
     # Transposed one-hot (BLOCK_K, BLOCK_M): column i masks the nonzeros of row i
     # down the sublanes of the (BLOCK_K, block_n) value tile.
-    members = jnp.transpose(_onehot(rows_ref, out_tile * BLOCK_M, jnp.float32))
+    onehot = _onehot(rows_ref, out_tile * BLOCK_M, jnp.float32)
+    members = jnp.transpose(onehot)
     vals = vals_ref[...].astype(jnp.float32)
     for i in range(BLOCK_M):  # static: one masked sublane reduction per output row
         masked = jnp.where(members[:, i : i + 1] > 0, vals, identity)
         partial = reducer(masked, axis=0, keepdims=True)
-        o_ref[i : i + 1, :] = combine(o_ref[i : i + 1, :], partial)
+        current = o_ref[i : i + 1, :]
+        # a NaN already in the output stays (explicitly: not every max is NaN-safe)
+        o_ref[i : i + 1, :] = jnp.where(jnp.isnan(current), current, combine(current, partial))
+    # NaN propagates by an explicit count, not by the reduction above: XLA:CPU's
+    # vectorised max/min reductions (Pallas interpret mode) can drop a NaN.
+    nan = jnp.isnan(vals)
+
+    @pl.when(jnp.max(jnp.where(nan, 1.0, 0.0)) > 0)
+    def _propagate_nan():
+        count = jnp.dot(onehot, nan.astype(jnp.float32), preferred_element_type=jnp.float32)
+        o_ref[...] = jnp.where(count > 0, jnp.nan, o_ref[...])
 
 
 def spmm(
