@@ -29,30 +29,53 @@ DEFAULT_OUT = Path(__file__).parent / "results" / "latest"
 
 
 def _csv(kind):
-    return lambda s: tuple(kind(v) for v in s.split(",") if v)
+    def parse(text: str) -> tuple:
+        return tuple(kind(v) for v in text.split(",") if v)
+
+    parse.__name__ = f"comma-separated {kind.__name__}"  # named in argparse's errors
+    return parse
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m benchmarks", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
     p.add_argument(
         "--graphs",
         type=_csv(str),
         default=("tolokers",),
         help="embedded graph names (tolokers, musae_github, planetoid_pubmed, cora) "
-        "or .npz paths, comma-separated (default: tolokers, the largest embedded)",
+        "or .npz paths, comma-separated",
     )
-    p.add_argument("--features", type=_csv(int), default=(16, 64, 256), help="N values")
-    p.add_argument("--dtypes", type=_csv(str), default=("float32", "bfloat16"))
-    p.add_argument("--workloads", type=_csv(str), default=systems.WORKLOADS)
+    p.add_argument(
+        "--features",
+        type=_csv(int),
+        default=(16, 64, 256),
+        help="feature widths N, comma-separated",
+    )
+    p.add_argument(
+        "--dtypes",
+        type=_csv(str),
+        default=("float32", "bfloat16"),
+        help="comma-separated subset of float32,bfloat16",
+    )
+    p.add_argument(
+        "--workloads",
+        type=_csv(str),
+        default=systems.WORKLOADS,
+        help="comma-separated subset of " + ",".join(systems.WORKLOADS),
+    )
     p.add_argument(
         "--peers",
         type=_csv(str),
         default=systems.PEERS,
-        help="subset of " + ",".join(systems.PEERS),
+        help="comma-separated subset of " + ",".join(systems.PEERS),
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per system (median)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument(
         "--no-malloc-hugepages",
         action="store_true",
@@ -111,6 +134,9 @@ def run_case(case: systems.Case, repeats: int) -> dict[str, Any]:
     reference = measure.to_numpy(out)
     results["jaxcsr"] = vars(timing)
     tol = measure.TOLERANCE[case.dtype]
+    if case.reference is not None:  # jaxcsr itself against float64 numpy/scipy
+        err = measure.relative_error(reference, np.asarray(case.reference()))
+        results["jaxcsr"].update(rel_error_float64=err, mismatch=not err <= tol)
     for name, thunk in case.systems.items():
         if name == "jaxcsr":
             continue
@@ -204,6 +230,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "rows": rows,
     }
     print(report.table(rows, shown, markdown=False))
+    print(report.LEGEND.replace("`", ""))
+    failed = report.errors(rows)
+    if failed:
+        print("Peers that could not run a cell:\n" + "\n".join(failed).replace("`", ""))
     paths = report.write_outputs(result, args.out, shown)
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return result

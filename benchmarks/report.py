@@ -8,6 +8,28 @@ from typing import Any
 
 PASS_ORDER = {"fwd": 0, "bwd": 1, "bwd_data": 2}
 
+LEGEND = (
+    "Times are medians in ms; `(k x)` after a peer's time = jaxcsr is k times faster "
+    "than that peer (below 1: the peer is faster); `floor ms` = the cell's floor bytes "
+    "(read the inputs once, write the output once) / measured copy bandwidth; `GB/s` = "
+    "floor bytes / jaxcsr's time; `x floor` = jaxcsr's time / floor; `!` = the peer's "
+    "output differs from jaxcsr's beyond the tolerance (after jaxcsr's time: jaxcsr's "
+    "differs from the float64 numpy/scipy reference); `error` = the peer cannot run "
+    "the cell (reasons below the table); `-` = not applicable."
+)
+
+# One colour and marker per system, the same in every panel.
+STYLE = {
+    "segment_sum": ("tab:blue", "o"),
+    "segment_sum_sorted": ("tab:orange", "s"),
+    "bcsr": ("tab:green", "^"),
+    "bcoo": ("tab:red", "v"),
+    "scipy": ("tab:purple", "D"),
+    "torch_index_add": ("tab:brown", "P"),
+    "torch_scatter_reduce": ("tab:pink", "X"),
+    "torch_sparse_csr": ("tab:gray", "*"),
+}
+
 
 def _fmt_ms(seconds: float | None) -> str:
     if seconds is None:
@@ -23,6 +45,8 @@ def _cell(row: dict[str, Any], system: str) -> str:
     if r.get("error"):
         return "error"
     text = _fmt_ms(r["median_s"])
+    if system == "jaxcsr" and r.get("mismatch"):
+        return text + " !"  # differs from the float64 reference
     if system != "jaxcsr":
         text += f" ({r['median_s'] / row['systems']['jaxcsr']['median_s']:.2f}x)"
     if r.get("mismatch"):
@@ -62,6 +86,20 @@ def table(rows: list[dict[str, Any]], systems: list[str], markdown: bool) -> str
     return "\n".join([fmt.format(*head), *(fmt.format(*line) for line in lines)])
 
 
+def errors(rows: list[dict[str, Any]]) -> list[str]:
+    """One line per (peer, error message): why a peer could not run, and where."""
+    seen: dict[tuple[str, str], list[str]] = {}
+    for row in rows:
+        for name, r in row["systems"].items():
+            if r.get("error"):
+                where = f"{row['workload']} {row['pass']} N={row['n_features']} {row['dtype']}"
+                seen.setdefault((name, r["error"]), []).append(where)
+    return [
+        f"- `{name}` ({len(cells)} cells, e.g. {cells[0]}): {message}"
+        for (name, message), cells in seen.items()
+    ]
+
+
 def write_outputs(result: dict[str, Any], out_dir: Path, systems: list[str]) -> list[Path]:
     """Writes ``results.json``, ``results.md`` and (with matplotlib) ``speedup.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -78,13 +116,14 @@ def write_outputs(result: dict[str, Any], out_dir: Path, systems: list[str]) -> 
         f"copy into fresh memory {bw['fresh_copy_gbps']:.1f} GB/s (read + write bytes).",
         f"Command: `{result['command']}` (GLIBC_TUNABLES=`{env.get('glibc_tunables', '')}`)",
         "",
-        "Times are medians in ms; `(k x)` = jaxcsr is k times faster than that peer; "
-        "`floor ms` = floor bytes / copy bandwidth; `x floor` = jaxcsr time / floor; "
-        "`!` = output differs from jaxcsr beyond tolerance; `-` = not applicable.",
+        LEGEND,
         "",
         table(result["rows"], systems, markdown=True),
         "",
     ]
+    failed = errors(result["rows"])
+    if failed:
+        md += ["Peers that could not run a cell:", "", *failed, ""]
     paths[1].write_text("\n".join(md))
     try:
         import matplotlib
@@ -103,43 +142,63 @@ def _speedup(row: dict[str, Any], system: str) -> float:
 
 
 def _plot(rows, systems, path: Path, plt) -> None:
-    """Speed-up of jaxcsr over each peer vs N, one panel per (workload, pass), float32."""
+    """Speed-up of jaxcsr over each peer vs N, one panel per (workload, pass), on a grid.
+
+    Each system keeps one colour and marker in every panel; float32 is solid, bfloat16
+    dashed; above the line at 1 jaxcsr is faster.
+    """
     panels = sorted(
         {(r["workload"], r["pass"]) for r in rows}, key=lambda k: (k[0], PASS_ORDER[k[1]])
     )
     graphs = sorted({r["graph"] for r in rows})
+    dtypes = [d for d in ("float32", "bfloat16") if any(r["dtype"] == d for r in rows)]
+    ncols = min(4, len(panels))
+    nrows = -(-len(panels) // ncols)
     fig, axes = plt.subplots(
-        1, len(panels), figsize=(3.2 * len(panels), 3.4), squeeze=False, sharey=True
+        nrows, ncols, figsize=(4.2 * ncols, 3.4 * nrows), squeeze=False, sharey=True
     )
-    for ax, (workload, pass_) in zip(axes[0], panels, strict=True):
+    handles: dict[str, Any] = {}
+    for ax, (workload, pass_) in zip(axes.flat, panels, strict=False):
         for system in systems[1:]:
+            color, marker = STYLE.get(system, ("black", "."))
             for graph in graphs:
-                pts = [
-                    (r["n_features"], _speedup(r, system))
-                    for r in rows
-                    if (r["workload"], r["pass"], r["graph"], r["dtype"])
-                    == (workload, pass_, graph, "float32")
-                    and system in r["systems"]
-                    and not r["systems"][system].get("error")
-                ]
-                if pts:
+                for dtype in dtypes:
+                    pts = [
+                        (r["n_features"], _speedup(r, system))
+                        for r in rows
+                        if (r["workload"], r["pass"], r["graph"], r["dtype"])
+                        == (workload, pass_, graph, dtype)
+                        and system in r["systems"]
+                        and not r["systems"][system].get("error")
+                    ]
+                    if not pts:
+                        continue
                     xs, ys = zip(*sorted(pts), strict=True)
-                    label = system if len(graphs) == 1 else f"{system} ({graph})"
-                    ax.plot(xs, ys, marker="o", label=label)
+                    (line,) = ax.plot(
+                        xs,
+                        ys,
+                        color=color,
+                        marker=marker,
+                        linestyle="-" if dtype == "float32" else "--",
+                        label=system,
+                    )
+                    handles.setdefault(system, line)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
-        ax.set_title(f"{workload} {pass_}", fontsize=9)
+        ax.set_title(f"{workload} {pass_}", fontsize=10)
         ax.set_xlabel("N (features)")
-    axes[0][0].set_ylabel("peer time / jaxcsr time (float32)")
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    for ax in axes[0][1:]:
-        h, lab = ax.get_legend_handles_labels()
-        for hh, ll in zip(h, lab, strict=True):
-            if ll not in labels:
-                handles.append(hh)
-                labels.append(ll)
-    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=7)
-    fig.tight_layout(rect=(0, 0.18, 1, 1))
-    fig.savefig(path, dpi=110)
+        ax.grid(True, which="both", alpha=0.3)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax in axes[:, 0]:
+        ax.set_ylabel("peer time / jaxcsr time")
+    fig.suptitle(
+        f"jaxcsr speed-up over each peer on {', '.join(graphs)} "
+        "(> 1: jaxcsr faster; solid float32, dashed bfloat16)",
+        fontsize=11,
+    )
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=9)
+    fig.tight_layout(rect=(0, 0.06, 1, 0.96))
+    fig.savefig(path, dpi=100)
     plt.close(fig)

@@ -80,11 +80,24 @@ class Case:
     to_reference: dict[str, Callable[[np.ndarray], np.ndarray]] = dataclasses.field(
         default_factory=dict
     )
+    # float64 numpy/scipy result of the cell (from the inputs as the systems see them,
+    # i.e. rounded to the cell's dtype), against which jaxcsr's output is checked.
+    reference: Callable[[], np.ndarray] | None = None
+
+
+def _f64(x: Any) -> np.ndarray:
+    """A float64 numpy copy of an array (bfloat16 included)."""
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
 def _vjp(f: Callable, primal: Any) -> Callable:
     """A jitted function of the cotangent that runs only ``f``'s backward pass."""
     return jax.jit(lambda p, ct: jax.vjp(f, p)[1](ct)[0])
+
+
+def _data_vjp(f: Callable) -> Callable:
+    """A jitted ``(values, x, ct) -> cotangent of values`` of ``f(values, x)``."""
+    return jax.jit(lambda d, x, ct: jax.vjp(lambda d: f(d, x), d)[1](ct)[0])
 
 
 def _bind(fn: Callable, *args: Any) -> Callable[[], Any]:
@@ -159,9 +172,11 @@ def build_cases(
     want = set(peers)
     name = dtype.name
 
-    def case(workload, pass_, floor, systems, to_reference=None):
+    def case(workload, pass_, floor, systems, to_reference=None, reference=None):
         systems = {k: v for k, v in systems.items() if k == "jaxcsr" or k in want}
-        return Case(graph.name, workload, pass_, N, name, floor, systems, to_reference or {})
+        return Case(
+            graph.name, workload, pass_, N, name, floor, systems, to_reference or {}, reference
+        )
 
     dst = jnp.asarray(graph.dst, jnp.int32)
     order = np.argsort(graph.dst, kind="stable")
@@ -206,9 +221,11 @@ def build_cases(
             bwd["torch_scatter_reduce"] = lambda: tct.gather(0, tdst_x)
             bwd["torch_sparse_csr"] = lambda: tcsr_t @ tct
         io = E * N * b + V * N * b + E * INDEX_BYTES
-        yield case("segment", "fwd", io, fwd)
+        seg64 = seg_scipy.astype(np.float64)
+        yield case("segment", "fwd", io, fwd, reference=lambda: seg64 @ _f64(msgs))
         # segment_sum_sorted's backward is in sorted edge order
-        yield case("segment", "bwd", io, bwd, {"segment_sum_sorted": lambda y: y[edges.unsort]})
+        unsort = {"segment_sum_sorted": lambda y: y[edges.unsort]}
+        yield case("segment", "bwd", io, bwd, unsort, reference=lambda: seg64.T @ _f64(ct))
 
     if "segment_softmax" in workloads:
         ct_e = jnp.asarray(rng.uniform(-1, 1, (E, N)), dtype)
@@ -243,8 +260,9 @@ def build_cases(
             )
             bwd["torch_index_add"] = lambda: tct.index_select(1, tdst)
         io = E * N * b + V * N * b + E * INDEX_BYTES
-        yield case("last_axis", "fwd", io, fwd)
-        yield case("last_axis", "bwd", io, bwd)
+        seg64 = seg_scipy.astype(np.float64)
+        yield case("last_axis", "fwd", io, fwd, reference=lambda: (seg64 @ _f64(vals).T).T)
+        yield case("last_axis", "bwd", io, bwd, reference=lambda: (seg64.T @ _f64(ct_t).T).T)
 
     if "spmm" in workloads:
         adj = graph.normalized_adjacency()
@@ -292,20 +310,28 @@ def build_cases(
             )
             bwd["torch_sparse_csr"] = lambda: tcsr_t @ tct
         io = 2 * V * N * b + nnz * (INDEX_BYTES + b) + (V + 1) * INDEX_BYTES
-        yield case("spmm", "fwd", io, fwd)
-        yield case("spmm", "bwd", io, bwd)
+        adj64 = sp.csr_array((_f64(B.data), adj.indices, adj.indptr), shape=adj.shape)
+        yield case("spmm", "fwd", io, fwd, reference=lambda: adj64 @ _f64(x))
+        yield case("spmm", "bwd", io, bwd, reference=lambda: adj64.T @ _f64(ct))
 
-        # cotangent for the matrix values (SDDMM); outputs in CSR order
+        # cotangent for the matrix values (SDDMM); outputs in CSR order. X is an
+        # argument, as in a training step: closed over, it would be an XLA constant and
+        # a peer's gather X[col] would be constant-folded at compile time.
         data = B.data
         g = {
-            "jaxcsr": lambda d: B.with_data(d) @ x,
-            "segment_sum_sorted": lambda d: jax.ops.segment_sum(
+            "jaxcsr": lambda d, x: B.with_data(d) @ x,
+            "segment_sum_sorted": lambda d, x: jax.ops.segment_sum(
                 d[:, None] * x[col], row, V, indices_are_sorted=True
             ),
         }
-        bwd_data = {k: _bind(_vjp(fn, data), data, ct) for k, fn in g.items()}
+        bwd_data = {k: _bind(_data_vjp(fn), data, x, ct) for k, fn in g.items()}
         io = 2 * V * N * b + nnz * (2 * INDEX_BYTES + b)
-        yield case("spmm", "bwd_data", io, bwd_data)
+        rows_csr = np.repeat(np.arange(V), np.diff(adj.indptr))
+
+        def sddmm64():
+            return np.sum(_f64(ct)[rows_csr] * _f64(x)[adj.indices], axis=1)
+
+        yield case("spmm", "bwd_data", io, bwd_data, reference=sddmm64)
 
 
 def workloads_need_messages(workloads) -> bool:
@@ -350,8 +376,24 @@ def _softmax_cases(case, graph, dst, dst_sorted, edges: _Edges, ct_e, dtype, use
     b = np.dtype(dtype).itemsize
     io = 2 * E * N * b + E * INDEX_BYTES  # logits in, probabilities out
     fix = {"segment_sum_sorted": lambda y: y[edges.unsort]}
-    yield case("segment_softmax", "fwd", io, fwd, fix)
-    yield case("segment_softmax", "bwd", io + E * N * b, bwd, fix)
+
+    def softmax64():
+        x = _f64(edges.values)
+        peak = np.full((V, N), -np.inf)
+        np.maximum.at(peak, ids, x)
+        e = np.exp(x - peak[ids])
+        total = np.zeros((V, N))
+        np.add.at(total, ids, e)
+        return e / total[ids]
+
+    def softmax_grad64():
+        p, g = softmax64(), _f64(ct_e)
+        inner = np.zeros((V, N))
+        np.add.at(inner, ids, p * g)
+        return p * (g - inner[ids])
+
+    yield case("segment_softmax", "fwd", io, fwd, fix, reference=softmax64)
+    yield case("segment_softmax", "bwd", io + E * N * b, bwd, fix, reference=softmax_grad64)
 
 
 def _reduce_cases(
@@ -394,6 +436,29 @@ def _reduce_cases(
         )
     b = np.dtype(dtype).itemsize
     io = E * N * b + V * N * b + E * INDEX_BYTES
-    yield case(f"segment_{reduce}", "fwd", io, fwd, fix)
+    ids = graph.dst
+    scale = 1.0 / np.maximum(counts, 1)[:, None]
+
+    def fwd64():
+        m = _f64(edges.values)
+        if reduce == "mean":
+            total = np.zeros((V, N))
+            np.add.at(total, ids, m)
+            return total * scale
+        peak = np.full((V, N), -np.inf)
+        np.maximum.at(peak, ids, m)
+        return np.where(empty[:, None], 0.0, peak)
+
+    def bwd64():
+        g = _f64(ct)
+        if reduce == "mean":
+            return (g * scale)[ids]
+        m = _f64(edges.values)
+        hit = np.where(m == fwd64()[ids], np.arange(E)[:, None], E)
+        first = np.full((V, N), E)
+        np.minimum.at(first, ids, hit)  # the first edge attaining each max gets the gradient
+        return np.where(first[ids] == np.arange(E)[:, None], g[ids], 0.0)
+
+    yield case(f"segment_{reduce}", "fwd", io, fwd, fix, reference=fwd64)
     unsorted = {"segment_sum_sorted": lambda y: y[edges.unsort]}
-    yield case(f"segment_{reduce}", "bwd", io, bwd, unsorted)
+    yield case(f"segment_{reduce}", "bwd", io, bwd, unsorted, reference=bwd64)

@@ -15,7 +15,7 @@ from jaxcsr import kernels, plan
 from jaxcsr.dtypes import product_dtype
 from jaxcsr.kernels import gpu as gpu_kernels
 from jaxcsr.kernels import xla as xla_kernels
-from jaxcsr.ops import IMPLS, REDUCTIONS, Index, product
+from jaxcsr.ops import IMPLS, REDUCTIONS, Index, opaque, product
 from jaxcsr.structure import Structure
 
 __all__ = ["CSRMatrix", "PlanInfo", "matmul"]
@@ -592,7 +592,7 @@ def matmul(
     if not return_arg:
         return out.reshape((m, *features))
     x2, data, found = jax.lax.stop_gradient((x2, A.data, out))
-    arg = xla_kernels.extreme_columns(x2, data, s, found)
+    arg = xla_kernels.extreme_columns(x2, data, opaque(A.index).structure, found)
     return out.reshape((m, *features)), arg.reshape((m, *features))
 
 

@@ -45,7 +45,7 @@ from jaxcsr.dtypes import accumulation_dtype, product_dtype
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.structure import Structure
 
-__all__ = ["IMPLS", "REDUCTIONS", "Index", "csr_matmul_p", "product"]
+__all__ = ["IMPLS", "REDUCTIONS", "Index", "csr_matmul_p", "opaque", "product"]
 
 IMPLS: tuple[str | None, ...] = (None, *kernels.BACKENDS)
 """``impl=`` values: ``None`` (the platform's planned kernel, else XLA) or a backend."""
@@ -96,6 +96,20 @@ def product(x, data, index: Index, *, accumulate: bool = False, **params) -> jax
     )
 
 
+def opaque(index: Index) -> Index:
+    """``index`` behind an optimization barrier.
+
+    A matrix closed over by a jitted function makes its index arrays XLA constants;
+    XLA then constant-folds every gather or scatter they feed (seconds for 1M
+    entries, at every compilation). Behind the barrier they are opaque values: the
+    products compute at run time, as they do when the matrix is an argument.
+    """
+    leaves, tree = jax.tree_util.tree_flatten(index)
+    if not leaves:
+        return index
+    return jax.tree_util.tree_unflatten(tree, jax.lax.optimization_barrier(leaves))
+
+
 def _out_dtype(x_dtype, data_dtype, accumulate: bool):
     dtype = product_dtype(x_dtype, data_dtype)
     return accumulation_dtype(dtype) if accumulate else dtype
@@ -131,6 +145,7 @@ def _lowered_impl(
 ) -> jax.Array:
     """What runs on one platform: a Pallas kernel or an XLA strategy."""
     x, data, index = _unpack(operands, index_tree, has_data)
+    index = opaque(index)
     s = index.structure
     data_dtype = None if data is None else data.dtype
     kernel = kernel_for(impl, platform, index, x.dtype, data_dtype)
@@ -198,7 +213,7 @@ def _jvp(primals, tangents, *, index_tree, has_data, **params):
 
 def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax.Array:
     """Tangent of a max/min: the input tangents taken at the attaining entries."""
-    s = index.structure
+    s = opaque(index).structure
     nnz = s.nnz
     x_live = type(x_dot) is not ad.Zero
     data_live = data_dot is not None and type(data_dot) is not ad.Zero
@@ -253,7 +268,7 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
         x_ct = product(ct, t_data, index.transpose(), **params)
         cts[0] = x_ct.astype(x.aval.dtype)
     if data is not None and ad.is_undefined_primal(data):
-        cts[1] = xla_kernels.sddmm(ct, x, s, out_dtype=data.aval.dtype)
+        cts[1] = xla_kernels.sddmm(ct, x, opaque(index).structure, out_dtype=data.aval.dtype)
     return cts
 
 
