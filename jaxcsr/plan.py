@@ -51,9 +51,11 @@ def _as_host_int_array(value: Any, name: str) -> np.ndarray:
         if type(err).__name__.startswith("Tracer") or "Tracer" in str(err):
             raise ValueError(
                 f"{name} is a traced JAX value; a CSRMatrix structure is planned on "
-                "the host and must be built outside jax.jit/vmap/grad. Build the "
-                "matrix once outside the traced function and pass it in as an "
-                "argument (it is a pytree)."
+                "the host and must be built outside jax.jit/vmap/grad. Either build "
+                "the matrix once outside the traced function and pass it in as an "
+                "argument (it is a pytree), or close over a numpy array of ids (it "
+                "stays concrete inside jit). Ids that change at every step are not "
+                "static: use jax.ops.segment_sum for those."
             ) from err
         raise TypeError(f"{name} must be an array of integers, got {type(value)!r}") from err
     if arr.size == 0 and arr.dtype == np.float64 and not isinstance(value, np.ndarray):

@@ -4,7 +4,11 @@ Each function takes a *static* host array of segment ids, builds (once) the
 one-valued matrix ``A = CSRMatrix.from_indices(segment_ids, num_segments)`` and
 computes ``matmul(A, data, reduce=...)``. The matrix is cached by the ids' value
 (:func:`segment_matrix`), so calling a function again with equal ids -- eagerly,
-or when a jitted function is retraced -- plans nothing.
+or when a jitted function is retraced -- plans nothing. Finding it costs a hash of
+the ids on every *eager* call (about 6 ms per million int32 ids on one core; inside
+``jax.jit`` only when tracing): in an eager loop, build the matrix once
+(``A = segment_matrix(ids, n)`` or ``CSRMatrix.from_indices``) and call
+``matmul(A, data)`` -- measured 2.5 ms against 12.8 ms per call for 1M ids, F = 4.
 
 Migrating from ``jax.ops`` is a one-line change, with three differences, all
 documented in ``docs/migration.md``:
@@ -63,7 +67,8 @@ def _host_ids(segment_ids: Any) -> np.ndarray:
         raise ValueError(
             "segment_ids is a traced JAX value; jaxcsr plans on the host, so it must be "
             "static: pass a numpy array (close over it inside jax.jit), or build a "
-            "CSRMatrix.from_indices outside jit and pass the matrix in."
+            "CSRMatrix.from_indices outside jit and pass the matrix in. Ids that change "
+            "at every step are not static: use jax.ops.segment_sum for those."
         )
     ids = np.asarray(segment_ids)
     if ids.size == 0 and ids.dtype == np.float64 and not isinstance(segment_ids, np.ndarray):

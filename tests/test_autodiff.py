@@ -103,8 +103,12 @@ def test_vmap_over_matrix_values_and_grad_of_vmap(rng):
     out = jax.vmap(lambda w: A.with_data(w) @ x)(jnp.asarray(ws))
     for b in range(3):
         assert_close(out[b], A.with_data(ws[b]).to_scipy() @ x.astype(np.float64), np.float32)
-    g = jax.grad(lambda xs: jnp.sum(jax.vmap(lambda v: A @ v)(xs) ** 2))(jnp.ones((2, *x.shape)))
-    assert g.shape == (2, *x.shape)
+    xs = random_values(rng, (2, *x.shape)).astype(np.float32)
+    g = jax.grad(lambda xs: jnp.sum(jax.vmap(lambda v: A @ v)(xs) ** 2))(jnp.asarray(xs))
+    dense = dense_of(A)
+    for b in range(2):  # d/dx sum((A x)^2) = 2 A^T A x
+        expected = 2 * dense.T @ (dense @ xs[b].astype(np.float64))
+        assert_close(g[b], expected, np.float32)
 
 
 def test_vmap_over_structure_is_rejected(rng):
@@ -133,7 +137,9 @@ def test_scan_and_jit(rng):
         ref = (dense_of(B) @ (dense_of(A) @ ref)) * 0.1
     assert_close(x, ref, np.float32)
     g = jax.grad(lambda x: run(A, B, x)[0].sum())(jnp.asarray(x0))
-    assert g.shape == x0.shape and np.all(np.isfinite(np.asarray(g)))
+    step = dense_of(B) @ dense_of(A) * 0.1  # x -> step @ x, three times: linear
+    expected = np.linalg.matrix_power(step, 3).T @ np.ones(x0.shape)
+    assert_close(g, expected, np.float32)
 
 
 def test_jit_compiles_once_for_equal_structures(rng):

@@ -85,6 +85,10 @@ def test_pytree_round_trip_and_aux_is_hashable(rng):
     leaves, treedef = jax.tree_util.tree_flatten(A)
     B = jax.tree_util.tree_unflatten(treedef, leaves)
     assert B.shape == A.shape and B.nnz == A.nnz
+    np.testing.assert_array_equal(np.asarray(B.todense()), np.asarray(A.todense()))
+    x = jnp.asarray(random_values(rng, (10, 2)), jnp.float32)
+    np.testing.assert_array_equal(np.asarray(B @ x), np.asarray(A @ x))
+    np.testing.assert_array_equal(np.asarray(B.T @ (A @ x)), np.asarray(A.T @ (A @ x)))
     hash(treedef)
     C = A.with_data(jnp.asarray(random_values(rng, (A.nnz,)), jnp.float32))
     assert jax.tree_util.tree_structure(C) == treedef

@@ -111,6 +111,48 @@ def test_kernels_match_reference(rng, impl, reduce, kind, dtype):
         check_arg(A, x, out, arg, reduce, dtype)
 
 
+@pytest.mark.parametrize(
+    "kind,dtype",
+    [
+        ("sorted_segment", np.float32),
+        ("gather", np.float32),  # a row gather: XLA under every impl
+        ("weighted_segment", np.float16),  # float16 through the MXU path as float32
+        ("empty", np.float32),  # nnz = 0
+    ],
+)
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_kernels_on_every_structure_class(rng, impl, reduce, kind, dtype):
+    A = structure(rng, kind)
+    x = random_values(rng, (A.shape[1], 3)).astype(dtype)
+    out = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl=impl, interpret=True)
+    expected, _ = reduce_reference(A, x, reduce)
+    assert out.dtype == (np.dtype(dtype) if A.data is None else np.float32)
+    assert_close(out, expected, dtype)
+    if reduce == "max":
+        xla = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl="xla")
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(xla))
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_kernels_with_zero_features_and_vmapped_values(rng, impl):
+    A = structure(rng, "weighted")
+    empty = jaxcsr.matmul(A, jnp.zeros((A.shape[1], 0)), impl=impl, interpret=True)
+    assert empty.shape == (A.shape[0], 0)
+    x = random_values(rng, (A.shape[1], 2)).astype(np.float32)
+    datas = random_values(rng, (2, A.nnz)).astype(np.float32)
+
+    def product(d):
+        return jaxcsr.matmul(A.with_data(d), jnp.asarray(x), impl=impl, interpret=True)
+
+    out = jax.vmap(product)(jnp.asarray(datas))
+    rows = np.repeat(np.arange(A.shape[0]), np.diff(np.asarray(A.indptr)))
+    for b in range(2):
+        dense = np.zeros(A.shape)
+        np.add.at(dense, (rows, np.asarray(A.indices)), datas[b].astype(np.float64))
+        assert_close(out[b], dense @ x.astype(np.float64), np.float32)
+
+
 @pytest.mark.parametrize("impl,interpret", PATHS)
 @pytest.mark.parametrize("reduce", EXTREMES)
 def test_ties_go_to_the_smallest_column(rng, reduce, impl, interpret):
@@ -218,6 +260,35 @@ def test_gradients_reach_the_arg_positions_only(rng, reduce, impl, interpret):
     if impl == "xla":
         f = lambda d, x: jaxcsr.matmul(A.with_data(d), x, reduce=reduce)  # noqa: E731
         jax.test_util.check_grads(f, (A.data, x), order=1, modes=("fwd", "rev"), eps=1e-3)
+
+
+@pytest.mark.parametrize("kind", ["general", "general_transposed", "gather", "sorted_segment"])
+@pytest.mark.parametrize("reduce", EXTREMES)
+def test_max_min_gradients_on_every_structure(rng, reduce, kind):
+    """Forward- and reverse-mode max/min gradients (w.r.t. X and the values) against
+    finite differences on matrices not built by an unsorted from_indices."""
+    if kind.startswith("general"):
+        A = CSRMatrix.from_scipy(random_csr(rng, 12, 20, "power_law"))
+        A = A.T if kind == "general_transposed" else A
+        assert A.structure.layout.kind == "general"
+    elif kind == "gather":
+        A = CSRMatrix.from_indices(power_law_ids(rng, 20, 12), num_rows=12).T
+    else:
+        A = CSRMatrix.from_indices(np.sort(power_law_ids(rng, 40, 12)), num_rows=12)
+    n = A.shape[1]
+    # distinct columns 0.5 apart and values within 1 % of 1: every product in a row
+    # differs from the others by > 0.4, so a 1e-3 perturbation flips no winner
+    x = np.stack([rng.permutation(n) * 0.5 - n * 0.25 for _ in range(3)], axis=1)
+    data = rng.uniform(0.99, 1.01, A.nnz)
+
+    def f(d, v):
+        return jaxcsr.matmul(A.with_data(d), v, reduce=reduce)
+
+    args = (jnp.asarray(data, jnp.float32), jnp.asarray(x, jnp.float32))
+    jax.test_util.check_grads(f, args, order=1, modes=("fwd", "rev"), eps=1e-3)
+    one_valued = (lambda v: jaxcsr.matmul(A, v, reduce=reduce)) if A.data is None else None
+    if one_valued is not None:
+        jax.test_util.check_grads(one_valued, args[1:], order=1, modes=("fwd", "rev"), eps=1e-3)
 
 
 def test_mean_gradient_is_exact(rng):
