@@ -41,7 +41,9 @@ def test_grad_wrt_dense_operand(rng, kind):
     ct = random_values(rng, (A.shape[0], 4)).astype(np.float32)
     g = jax.grad(lambda x: jnp.sum((A @ x) * ct))(jnp.asarray(x))
     assert_close(g, dense_of(A).T @ ct.astype(np.float64), np.float32)
-    check_product_grads(lambda x: A @ x, (jnp.asarray(x),), order=2)
+    # second-order finite differences of float32 outputs err by ~ulp(|A x|) / eps^2:
+    # check them at a small x, where that stays far below the tolerance
+    check_product_grads(lambda x: A @ x, (jnp.asarray(x) / 8,), order=2)
 
 
 @pytest.mark.parametrize("kind", KINDS)

@@ -169,5 +169,7 @@ def test_gpu_benchmark_script_smoke(tmp_path):
         ("segment_max", "bwd"),
     }
     for row in result["rows"]:
+        assert "error" not in row["systems"]["jaxcsr_pallas"]  # the kernel itself ran
+        assert row["systems"]["jaxcsr_pallas"]["rel_error_vs_pallas"] == 0.0  # the reference
         assert row["systems"]["jaxcsr_xla"]["rel_error_vs_pallas"] <= 1e-4
     assert (tmp_path / "gpu_results.md").exists()
