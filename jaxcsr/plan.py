@@ -28,6 +28,7 @@ __all__ = [
     "check_segment_ids",
     "check_shape",
     "check_size",
+    "as_host_int_array",
     "coo_to_csr",
     "index_dtype_for",
     "row_ids",
@@ -43,8 +44,11 @@ def index_dtype_for(*sizes: int) -> np.dtype:
     return np.dtype(np.int32 if max(sizes, default=0) < 2**31 - 1 else np.int64)
 
 
-def _as_host_int_array(value: Any, name: str) -> np.ndarray:
-    """Converts ``value`` to a host numpy integer array or raises a named error."""
+def as_host_int_array(value: Any, name: str) -> np.ndarray:
+    """Converts ``value`` to a host numpy integer array or raises a named error.
+
+    An empty list or tuple is an empty int32 array (as ``jax.ops`` accepts).
+    """
     try:
         arr = np.asarray(value)
     except Exception as err:  # jax tracers raise TracerArrayConversionError here
@@ -59,7 +63,7 @@ def _as_host_int_array(value: Any, name: str) -> np.ndarray:
             ) from err
         raise TypeError(f"{name} must be an array of integers, got {type(value)!r}") from err
     if arr.size == 0 and arr.dtype == np.float64 and not isinstance(value, np.ndarray):
-        arr = arr.astype(np.int32)  # an empty list or tuple: no ids, as jax.ops accepts
+        arr = arr.astype(np.int32)
     if arr.dtype == object:
         raise TypeError(f"{name} must be an array of integers, got dtype object")
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
@@ -113,7 +117,7 @@ def check_segment_ids(
     """
     idx_name, size_name = names
     num_rows = check_size(num_rows, size_name)
-    arr = _as_host_int_array(idx, idx_name)
+    arr = as_host_int_array(idx, idx_name)
     if arr.ndim != 1:
         raise ValueError(f"{idx_name} must be 1-D, got shape {arr.shape}")
     _check_range(arr, num_rows, idx_name, size_name)
@@ -152,8 +156,8 @@ def coo_to_csr(
       ``k``-th nonzero in CSR order (rows ascending, then columns ascending).
     """
     m, n = shape
-    row = _as_host_int_array(row, "row")
-    col = _as_host_int_array(col, "col")
+    row = as_host_int_array(row, "row")
+    col = as_host_int_array(col, "col")
     if row.ndim != 1 or col.ndim != 1:
         raise ValueError(f"row and col must be 1-D, got shapes {row.shape} and {col.shape}")
     if row.shape != col.shape:
@@ -186,8 +190,8 @@ def check_csr_arrays(
         ending at ``len(indices)``, column indices out of ``[0, shape[1])``.
     """
     m, n = shape
-    indptr = _as_host_int_array(indptr, "indptr")
-    indices = _as_host_int_array(indices, "indices")
+    indptr = as_host_int_array(indptr, "indptr")
+    indices = as_host_int_array(indices, "indices")
     if indptr.ndim != 1 or indptr.size != m + 1:
         raise ValueError(
             f"indptr must be 1-D of length shape[0] + 1 = {m + 1}, got shape {indptr.shape}"

@@ -70,11 +70,7 @@ def _host_ids(segment_ids: Any) -> np.ndarray:
             "CSRMatrix.from_indices outside jit and pass the matrix in. Ids that change "
             "at every step are not static: use jax.ops.segment_sum for those."
         )
-    ids = np.asarray(segment_ids)
-    if ids.size == 0 and ids.dtype == np.float64 and not isinstance(segment_ids, np.ndarray):
-        ids = ids.astype(np.int32)  # an empty list or tuple: no ids, as jax.ops accepts
-    if ids.dtype == np.bool_ or not np.issubdtype(ids.dtype, np.integer):
-        raise TypeError(f"segment_ids must have an integer dtype, got {ids.dtype}")
+    ids = plan.as_host_int_array(segment_ids, "segment_ids")
     if ids.ndim != 1:
         raise ValueError(f"segment_ids must be 1-D, got shape {ids.shape}")
     return ids
