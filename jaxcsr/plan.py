@@ -124,8 +124,13 @@ def check_segment_ids(
     return arr, num_rows
 
 
-def segment_ids_to_csr(idx: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.ndarray]:
+def segment_ids_to_csr(
+    idx: np.ndarray, num_rows: int, *, sorted_ids: bool | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """CSR of the one-valued matrix ``A[idx[j], j] = 1``.
+
+    ``sorted_ids``: whether ``idx`` is non-decreasing, if the caller already knows
+    (then the sort is skipped); ``None`` checks.
 
     Returns:
       ``(indptr, order)``: ``indptr`` of length ``num_rows + 1`` and ``order``, the
@@ -133,7 +138,9 @@ def segment_ids_to_csr(idx: np.ndarray, num_rows: int) -> tuple[np.ndarray, np.n
       ``order`` is also the CSR column-index array, since column ``j`` is input ``j``.
     """
     itype = index_dtype_for(idx.size, num_rows)
-    if is_sorted(idx):
+    if sorted_ids is None:
+        sorted_ids = is_sorted(idx)
+    if sorted_ids:
         order = np.arange(idx.size, dtype=itype)
     else:
         order = np.argsort(idx, kind="stable").astype(itype, copy=False)
@@ -249,8 +256,8 @@ def structure_from_segment_ids(idx: np.ndarray, num_rows: int) -> Structure:
     Sorting ``idx`` (stable, skipped when already sorted) is the only ``O(K log K)``
     step; nothing about the transpose is stored (it is the row gather ``Y[idx]``).
     """
-    indptr, order = segment_ids_to_csr(idx, num_rows)
     sorted_ids = is_sorted(idx)
+    indptr, order = segment_ids_to_csr(idx, num_rows, sorted_ids=sorted_ids)
     layout = Layout((num_rows, idx.size), idx.size, "columns", sorted_ids)
     row_of_col = idx.astype(indptr.dtype, copy=False)
     indices = None if sorted_ids else order

@@ -124,9 +124,11 @@ class Structure:
         """The same arrays viewed as the transpose (no device work)."""
         return dataclasses.replace(self, transposed=not self.transposed)
 
-    def planned(self) -> Structure:
-        """The planned orientation ``C`` itself (untransposed view)."""
-        return dataclasses.replace(self, transposed=False)
+    def kernel_indptrs(self) -> tuple[Any, Any]:
+        """Row pointers a kernel backend plans for: ``C``'s, and ``C.T``'s for the
+        ``"general"`` kind (``None`` for ``"columns"``: its transpose is a row gather,
+        which XLA runs)."""
+        return self.indptr, (self.t_indptr if self.layout.kind == "general" else None)
 
     # ---------------------------------------------------------- the CSR view
     def view_indptr(self) -> jax.Array:

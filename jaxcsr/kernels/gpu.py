@@ -173,11 +173,9 @@ jax.tree_util.register_dataclass(GpuPlan, data_fields=["items", "t_items"], meta
 
 def plan(structure: Structure) -> GpuPlan:
     """The host plan for a host :class:`~jaxcsr.structure.Structure` (numpy leaves)."""
-    items = plan_work_items(structure.indptr)
-    t_items = None
-    if structure.layout.kind == "general":
-        t_items = plan_work_items(structure.t_indptr)
-    return GpuPlan(items, t_items)
+    indptr, t_indptr = structure.kernel_indptrs()
+    t_items = None if t_indptr is None else plan_work_items(t_indptr)
+    return GpuPlan(plan_work_items(indptr), t_items)
 
 
 def product(

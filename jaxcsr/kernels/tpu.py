@@ -150,11 +150,9 @@ jax.tree_util.register_dataclass(TpuPlan, data_fields=["tiles", "t_tiles"], meta
 
 def plan(structure: Structure) -> TpuPlan:
     """The host plan for a host :class:`~jaxcsr.structure.Structure` (numpy leaves)."""
-    tiles = plan_tile_schedule(structure.indptr)
-    t_tiles = None
-    if structure.layout.kind == "general":
-        t_tiles = plan_tile_schedule(structure.t_indptr)
-    return TpuPlan(tiles, t_tiles)
+    indptr, t_indptr = structure.kernel_indptrs()
+    t_tiles = None if t_indptr is None else plan_tile_schedule(t_indptr)
+    return TpuPlan(plan_tile_schedule(indptr), t_tiles)
 
 
 # --------------------------------------------------------------------- kernel
