@@ -4,13 +4,18 @@ Runs from the source tree on a CUDA machine's own python (jax, numpy, scipy,
 torch; nothing to install). In one process it
 
 1. checks ``impl="pallas_gpu"`` against ``impl="xla"`` on fresh random inputs for
-   every graph, workload and dtype (forward and backward);
+   every graph, workload and dtype (forward and backward), and that two runs of the
+   kernel are bit-identical;
 2. measures HBM copy bandwidth (``x * 2`` into a donated buffer);
 3. times forward and backward (medians over ``--repeats`` with
    ``block_until_ready`` / ``torch.cuda.synchronize``) for jaxcsr (Pallas and XLA
    paths), ``jax.ops.segment_sum`` (unsorted and sorted), BCSR with the cuSPARSE
-   lowering, and torch (``sparse_csr`` mm = cuSPARSE, ``index_add_``); and the
-   ``reduce="max"`` kernel against ``jax.ops.segment_max``;
+   lowering, torch (``sparse_csr`` mm = cuSPARSE, ``index_add_``) and
+   torch_geometric's ``scatter`` where installed; and the ``reduce="max"`` kernel
+   against ``jax.ops.segment_max``; on the embedded graphs, on
+   ``law_cnr2000_sym`` when ``../shared/data/matrices`` is there (or any ``.npz``
+   path in ``--graphs``), and on the 1- and 24-segment reductions of 400k values
+   (``--segments``; a molecular-dynamics energy sum);
 4. prints one table with achieved GB/s and % of copy bandwidth and writes
    ``gpu_results.json`` and ``gpu_results.md`` to ``--out``.
 
@@ -21,6 +26,7 @@ test suite does this so the script cannot rot).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import sys
@@ -41,22 +47,51 @@ try:
     import torch
 except ImportError:
     torch = None
+try:
+    from torch_geometric.utils import scatter as pyg_scatter
+except ImportError:
+    pyg_scatter = None
+
+LAW = Path(__file__).resolve().parents[2] / "shared" / "data" / "matrices" / "law_cnr2000_sym.npz"
+DEFAULT_GRAPHS = ("tolokers", "musae_github", "planetoid_pubmed", str(LAW))
+SEGMENT_VALUES = 400_000
+
+
+def _graph_present(name: str) -> bool:
+    """Embedded names always; paths only when the file is there (the shared matrix)."""
+    return not name.endswith(".npz") or Path(name).exists()
+
+
+@dataclasses.dataclass(frozen=True)
+class Segments:
+    """The few-segment reduction as a graph: ``SEGMENT_VALUES`` sorted ids in ``K``."""
+
+    name: str
+    dst: np.ndarray
+    num_nodes: int
+
+    @property
+    def num_edges(self) -> int:
+        return int(self.dst.size)
 
 
 def _parse(argv):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--graphs", default="tolokers,musae_github")
-    p.add_argument("--features", default="32,128,512")
+    p.add_argument("--graphs", default=",".join(DEFAULT_GRAPHS), help="names or .npz paths")
+    p.add_argument("--segments", default="1,24", help="segment counts over 400k values")
+    p.add_argument("--features", default="16,64,256")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--repeats", type=int, default=20)
+    p.add_argument("--repeats", type=int, default=10)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/gpu-latest"))
     p.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny input")
     args = p.parse_args(argv)
-    args.graphs = args.graphs.split(",")
+    args.graphs = [g for g in args.graphs.split(",") if g and _graph_present(g)]
+    args.segments = [int(k) for k in args.segments.split(",") if k]
     args.features = [int(v) for v in args.features.split(",")]
     args.dtypes = args.dtypes.split(",")
     if args.smoke:
         args.graphs, args.features, args.dtypes, args.repeats = ["cora"], [8], ["float32"], 1
+        args.segments = [3]
     return args
 
 
@@ -82,8 +117,22 @@ def _torch_sync(thunk):
     return run
 
 
+def _vjp(f, p, c):
+    g = jax.jit(lambda p, c: jax.vjp(f, p)[1](c)[0])
+    return lambda: g(p, c)
+
+
+def _fwd(f, p):
+    g = jax.jit(f)
+    return lambda: g(p)
+
+
 def _cases(graph, n, dtype, rng, interpret, use_torch):
-    """Yields (workload, pass, floor_bytes, {system: thunk}) for one cell group."""
+    """Yields (workload, pass, floor_bytes, {system: thunk}) for one cell group.
+
+    The first system of every cell is ``jaxcsr_pallas`` (the reference of the error
+    column), the second ``jaxcsr_xla`` (checked against it).
+    """
     V, E = graph.num_nodes, graph.num_edges
     b = np.dtype(dtype).itemsize
     pallas = {"impl": "pallas_gpu", "interpret": interpret}
@@ -94,60 +143,55 @@ def _cases(graph, n, dtype, rng, interpret, use_torch):
     dst_sorted = dst[order]
     msgs = jnp.asarray(rng.uniform(-1, 1, (E, n)), dtype)
     ct = jnp.asarray(rng.uniform(-1, 1, (V, n)), dtype)
-    adj = graph.normalized_adjacency()
-    B = CSRMatrix.from_scipy(adj, backends=backends)
-    B = B.with_data(B.data.astype(dtype))
-    x = jnp.asarray(rng.uniform(-1, 1, (V, n)), dtype)
-
-    bcsr, _ = jax_sparse_twins(adj, dtype)
-
-    def vjp(f, p, c):
-        g = jax.jit(lambda p, c: jax.vjp(f, p)[1](c)[0])
-        return lambda: g(p, c)
-
-    def fwd(f, p):
-        g = jax.jit(f)
-        return lambda: g(p)
-
     seg = {
         "jaxcsr_pallas": lambda m: matmul(A, m, **pallas),
         "jaxcsr_xla": lambda m: matmul(A, m, impl="xla"),
         "segment_sum": lambda m: jax.ops.segment_sum(m, dst, V),
     }
-    seg_systems_f = {k: fwd(f, msgs) for k, f in seg.items()}
-    seg_systems_b = {k: vjp(f, msgs, ct) for k, f in seg.items()}
-    msgs_sorted = msgs[order]
+    seg_f = {k: _fwd(f, msgs) for k, f in seg.items()}
+    seg_b = {k: _vjp(f, msgs, ct) for k, f in seg.items()}
     sorted_f = lambda m: jax.ops.segment_sum(m, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
-    seg_systems_f["segment_sum_sorted"] = fwd(sorted_f, msgs_sorted)
-    spmm = {
-        "jaxcsr_pallas": lambda x: matmul(B, x, **pallas),
-        "jaxcsr_xla": lambda x: matmul(B, x, impl="xla"),
-        "bcsr_cusparse": lambda x: bcsr @ x,
-    }
-    spmm_f = {k: fwd(f, x) for k, f in spmm.items()}
-    spmm_b = {k: vjp(f, x, ct) for k, f in spmm.items()}
+    seg_f["segment_sum_sorted"] = _fwd(sorted_f, msgs[order])
+    seg_bytes = E * n * b + V * n * b + E * 4
     if use_torch:
         tdt = {"float32": torch.float32, "bfloat16": torch.bfloat16}[np.dtype(dtype).name]
         dev = "cuda"
         tm = torch.tensor(np.asarray(msgs, np.float32), device=dev).to(tdt)
-        tx = torch.tensor(np.asarray(x, np.float32), device=dev).to(tdt)
         tdst = torch.tensor(graph.dst, device=dev)
-        tcsr = torch.sparse_csr_tensor(
-            torch.tensor(adj.indptr.astype(np.int64), device=dev),
-            torch.tensor(adj.indices.astype(np.int64), device=dev),
-            torch.tensor(adj.data, device=dev).to(tdt),
-            size=adj.shape,
-        )
-        seg_systems_f["torch_index_add"] = _torch_sync(
+        seg_f["torch_index_add"] = _torch_sync(
             lambda: torch.zeros(V, n, dtype=tdt, device=dev).index_add_(0, tdst, tm)
         )
-        spmm_f["torch_sparse_csr"] = _torch_sync(lambda: tcsr @ tx)
-    seg_bytes = E * n * b + V * n * b + E * 4
-    spmm_bytes = 2 * V * n * b + adj.nnz * (4 + b) + (V + 1) * 4
-    yield "segment", "fwd", seg_bytes, seg_systems_f
-    yield "segment", "bwd", seg_bytes, seg_systems_b
-    yield "spmm", "fwd", spmm_bytes, spmm_f
-    yield "spmm", "bwd", spmm_bytes, spmm_b
+        if pyg_scatter is not None:
+            seg_f["pyg_scatter"] = _torch_sync(
+                lambda: pyg_scatter(tm, tdst, 0, dim_size=V, reduce="sum")
+            )
+    yield "segment", "fwd", seg_bytes, seg_f
+    yield "segment", "bwd", seg_bytes, seg_b
+    if not isinstance(graph, Segments):  # the few-segment case has no adjacency
+        adj = graph.normalized_adjacency()
+        B = CSRMatrix.from_scipy(adj, backends=backends)
+        B = B.with_data(B.data.astype(dtype))
+        x = jnp.asarray(rng.uniform(-1, 1, (V, n)), dtype)
+        bcsr, _ = jax_sparse_twins(adj, dtype)
+        spmm = {
+            "jaxcsr_pallas": lambda x: matmul(B, x, **pallas),
+            "jaxcsr_xla": lambda x: matmul(B, x, impl="xla"),
+            "bcsr_cusparse": lambda x: bcsr @ x,
+        }
+        spmm_f = {k: _fwd(f, x) for k, f in spmm.items()}
+        spmm_b = {k: _vjp(f, x, ct) for k, f in spmm.items()}
+        if use_torch:
+            tx = torch.tensor(np.asarray(x, np.float32), device=dev).to(tdt)
+            tcsr = torch.sparse_csr_tensor(
+                torch.tensor(adj.indptr.astype(np.int64), device=dev),
+                torch.tensor(adj.indices.astype(np.int64), device=dev),
+                torch.tensor(adj.data, device=dev).to(tdt),
+                size=adj.shape,
+            )
+            spmm_f["torch_sparse_csr"] = _torch_sync(lambda: tcsr @ tx)
+        spmm_bytes = 2 * V * n * b + adj.nnz * (4 + b) + (V + 1) * 4
+        yield "spmm", "fwd", spmm_bytes, spmm_f
+        yield "spmm", "bwd", spmm_bytes, spmm_b
     # the max semiring in the same kernel (jax.ops leaves -inf in empty segments,
     # jaxcsr 0: its error column is not comparable there; Pallas vs XLA is checked)
     seg_max = {
@@ -155,8 +199,17 @@ def _cases(graph, n, dtype, rng, interpret, use_torch):
         "jaxcsr_xla": lambda m: matmul(A, m, reduce="max", impl="xla"),
         "segment_max": lambda m: jax.ops.segment_max(m, dst, V),
     }
-    yield "segment_max", "fwd", seg_bytes, {k: fwd(f, msgs) for k, f in seg_max.items()}
-    yield "segment_max", "bwd", seg_bytes, {k: vjp(f, msgs, ct) for k, f in seg_max.items()}
+    yield "segment_max", "fwd", seg_bytes, {k: _fwd(f, msgs) for k, f in seg_max.items()}
+    yield "segment_max", "bwd", seg_bytes, {k: _vjp(f, msgs, ct) for k, f in seg_max.items()}
+
+
+def _structures(args, rng):
+    """The graphs, then the few-segment reductions."""
+    for name in args.graphs:
+        yield load_graph(name)
+    for k in args.segments:
+        size = 300 if args.smoke else SEGMENT_VALUES
+        yield Segments(f"{k}_segments", np.sort(rng.integers(0, k, size)), k)
 
 
 def main(argv=None) -> dict:
@@ -171,8 +224,7 @@ def main(argv=None) -> dict:
     print(f"{device}: jax {jax.__version__}, HBM copy {copy_gbps:.0f} GB/s", flush=True)
     rng = np.random.default_rng(0)
     rows = []
-    for name in args.graphs:
-        graph = load_graph(name)
+    for graph in _structures(args, rng):
         for dtype in args.dtypes:
             for n in args.features:
                 for workload, pass_, nbytes, systems in _cases(
@@ -191,6 +243,12 @@ def main(argv=None) -> dict:
                         got = measure.to_numpy(out)
                         if ref is None:
                             ref = got  # jaxcsr_pallas runs first
+                            again = measure.to_numpy(thunk())
+                            if not np.array_equal(got, again, equal_nan=True):
+                                raise SystemExit(
+                                    f"pallas kernel is not deterministic: {graph.name} "
+                                    f"{workload} {pass_} N={n} {dtype}"
+                                )
                         err = measure.relative_error(got, ref)
                         results[system] = {
                             **vars(timing),
@@ -201,7 +259,7 @@ def main(argv=None) -> dict:
                     xla_err = results.get("jaxcsr_xla", {}).get("rel_error_vs_pallas", 0.0)
                     if not xla_err <= measure.TOLERANCE[dtype]:
                         raise SystemExit(
-                            f"pallas kernel disagrees with the XLA path: {name} {workload} "
+                            f"pallas kernel disagrees with the XLA path: {graph.name} {workload} "
                             f"{pass_} N={n} {dtype}: relative error {xla_err:.2e}"
                         )
                     row = dict(

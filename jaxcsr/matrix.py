@@ -366,7 +366,7 @@ class CSRMatrix:
 
         Args:
           n_features: optional feature width ``F`` of the dense operand; adds the
-            Triton kernel's ``(block_n, num_warps)`` for it where planned.
+            Triton kernel's float32 tile configuration for it where planned.
 
         Example:
           >>> import numpy as np
@@ -396,8 +396,8 @@ class CSRMatrix:
                 if name == "xla":
                     continue
                 runs = "xla gather (one entry per row)" if view.one_per_row else "kernel"
-                if name == "pallas_gpu" and n_features and not view.one_per_row:
-                    runs += f" (block_n, num_warps) = {gpu_kernels.tile_config(n_features)}"
+                if name == "pallas_gpu" and not view.one_per_row:
+                    runs += _gpu_lanes_summary(view, n_features)
                 strategies[f"{direction}, {name}"] = runs
         kind = s.layout.kind + (" (transposed view)" if s.transposed else "")
         return PlanInfo(
@@ -625,3 +625,16 @@ def _divide_by_degree(total: jax.Array, structure: Structure, dtype) -> jax.Arra
     if jnp.issubdtype(total.dtype, jnp.integer):
         return jnp.floor_divide(total, degree).astype(dtype)
     return (total / degree).astype(dtype)
+
+
+def _gpu_lanes_summary(view, n_features: int | None) -> str:
+    """How the Triton kernel's plan fills its lanes for one view (plan_info)."""
+    stats = gpu_kernels.lane_stats(np.asarray(view.view_indptr()))
+    order = "CSR" if stats.csr_order else "length-sorted"
+    text = (
+        f": {stats.short_rows} short rows ({order}, lane utilisation "
+        f"{stats.utilisation:.2f}), {stats.long_rows} long rows in {stats.chunks} chunks"
+    )
+    if n_features:
+        text += f"; tiles {gpu_kernels.tile_config(n_features)}"
+    return text

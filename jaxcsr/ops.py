@@ -123,15 +123,21 @@ def kernel_for(impl: str | None, platform: str, index: Index, x_dtype, data_dtyp
     """The Pallas backend that runs the view on ``platform``, or ``None`` for XLA.
 
     An explicit kernel ``impl`` runs where its plan is present (the caller checked);
-    ``impl=None`` runs the platform's kernel when the matrix carries its plan and the
-    dtypes suit it. One-per-row views (row gathers) run on XLA everywhere.
+    ``impl=None`` runs the platform's kernel when the matrix carries its plan, the
+    dtypes suit it and this jax ships what the kernel is written in (else one warning
+    per process and XLA); an explicit kernel this jax cannot run raises. One-per-row
+    views (row gathers) run on XLA everywhere.
     """
     if index.structure.one_per_row or impl == "xla":
         return None
     if impl is not None:
+        kernels.BACKENDS[impl].require_available()
         return impl
     name = kernels.platform_kernel(platform)
     if name is None or name not in index.plans:
+        return None
+    if not kernels.BACKENDS[name].available():
+        kernels.BACKENDS[name].warn_unavailable()
         return None
     return name if kernels.BACKENDS[name].supports(x_dtype, data_dtype) else None
 
@@ -159,14 +165,19 @@ def _lowered_impl(
                 f"impl={kernel!r} needs platform {backend.platform!r} (platform is "
                 f"{platform!r}); pass interpret=True to run it in Pallas interpret mode"
             )
+        out_dtype = _out_dtype(x.dtype, data_dtype, accumulate)
         if m == 0 or n == 0 or x.shape[1] == 0 or s.nnz == 0:
-            out = jnp.zeros((m, x.shape[1]), jnp.float32)
-        else:
-            out = backend.product(
-                x, data, s, index.plans[kernel], reduce=reduce, interpret=interpret
-            )
-        if reduce != "sum":  # the kernels leave -inf/+inf in empty rows
-            out = xla_kernels.zero_empty_rows(out, s)
+            return jnp.zeros((m, x.shape[1]), out_dtype)
+        # The kernels return ``out_dtype`` with empty rows zero for every reduction.
+        return backend.product(
+            x,
+            data,
+            s,
+            index.plans[kernel],
+            reduce=reduce,
+            out_dtype=out_dtype,
+            interpret=interpret,
+        )
     elif reduce == "sum":
         strategy = xla_kernels.choose_strategy(s, on_cpu=platform == "cpu")
         out = xla_kernels.spmm(x, data, s, strategy=strategy)

@@ -99,17 +99,27 @@ def test_kernel_plans_are_held_only_when_asked_for(rng):
     info = gpu.plan_info(n_features=64)
     kernel_arrays = {k for k in info.arrays if k.startswith("pallas_gpu")}
     assert kernel_arrays == {
-        "pallas_gpu.items.row",
-        "pallas_gpu.items.start",
-        "pallas_gpu.items.end",
+        f"pallas_gpu.lanes.{name}"
+        for name in (
+            "row",
+            "start",
+            "end",
+            "num_short",
+            "chunk_start",
+            "chunk_end",
+            "group_start",
+            "group_end",
+        )
     }
     assert _leaf_bytes(gpu) - _leaf_bytes(xla) == sum(info.arrays[k] for k in kernel_arrays)
-    assert info.strategies["forward, pallas_gpu"].startswith("kernel (block_n, num_warps)")
+    assert info.strategies["forward, pallas_gpu"].startswith("kernel: ")
+    assert "lane utilisation" in info.strategies["forward, pallas_gpu"]
+    assert "TileConfig(block_m=16" in info.strategies["forward, pallas_gpu"]
     assert info.strategies["transpose, pallas_gpu"].startswith("xla gather")
     assert "pallas_tpu" not in info.backends
     general = CSRMatrix.from_dense(np.arange(1.0, 13.0).reshape(3, 4), backends=ALL)
     names = set(general.plan_info().arrays)
-    assert {"pallas_gpu.t_items.row", "pallas_tpu.t_tiles.first", "core.t_perm"} <= names
+    assert {"pallas_gpu.t_lanes.row", "pallas_tpu.t_tiles.first", "core.t_perm"} <= names
     assert "core.row_of_col" not in names
 
 

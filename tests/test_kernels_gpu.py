@@ -17,6 +17,7 @@ from reference import (
     power_law_ids,
     random_csr,
     random_values,
+    segment_reference,
 )
 
 import jaxcsr
@@ -41,21 +42,20 @@ def _one_heavy_row_ids(rng, size, num_rows):
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
 @pytest.mark.parametrize("n_features", [1, 5, 33])
 def test_segment_sum_with_one_heavy_row(rng, dtype, n_features):
-    idx = _one_heavy_row_ids(rng, 300, 13)
+    idx = _one_heavy_row_ids(rng, 600, 13)
     assert np.bincount(idx, minlength=13)[6] > 4 * gpu.CHUNK
     A = CSRMatrix.from_indices(idx, num_rows=13, backends=ALL)
-    v = random_values(rng, (300, n_features)).astype(dtype)
+    v = random_values(rng, (600, n_features)).astype(dtype)
     out = gpu_matmul(A, jnp.asarray(v))
     assert out.dtype == np.dtype(dtype)
-    expected = np.zeros((13, n_features))
-    np.add.at(expected, idx, v.astype(np.float64))
+    expected = segment_reference(v, idx, 13)
     assert_close(out, expected, dtype)
     assert np.all(np.asarray(out[12], np.float32) == 0)  # empty row
 
 
 @pytest.mark.parametrize("reduce", ["max", "min"])
 def test_max_min_across_split_rows(rng, reduce):
-    """A row split over many work items: partial maxima meet in the atomics."""
+    """A row split over many chunks: partial maxima meet in the second pass."""
     idx = _one_heavy_row_ids(rng, 300, 13)
     A = CSRMatrix.from_indices(idx, num_rows=13, backends=ALL)
     v = random_values(rng, (300, 5)).astype(np.float32)
@@ -105,24 +105,152 @@ def test_pallas_gpu_without_gpu_or_interpret_is_explained():
         jaxcsr.matmul(A, jnp.ones((3, 2), jnp.int32), impl="pallas_gpu", interpret=True)
 
 
-def test_work_items_bound_every_loop():
-    indptr = np.array([0, 0, 100, 101, 101, 140], np.int32)
-    items = gpu.plan_work_items(indptr, chunk=32, items_per_program=4)
-    lengths = items.end.astype(int) - items.start
-    assert lengths.max() <= 32 and items.row.size % 4 == 0
-    assert items.row.size == gpu.work_item_capacity(5, 140, 32, 4)  # shape and nnz only
-    covered = np.zeros(140, int)
-    for r, s, e in zip(items.row, items.start, items.end, strict=True):
-        assert e == s or indptr[r] <= s < e <= indptr[r + 1]
+def _hub_ids(rng, size, num_rows, share):
+    """A hub row holding ``share`` of the ids, the rest uniform; the last row empty."""
+    idx = rng.integers(0, num_rows - 1, size)
+    idx[: int(size * share)] = num_rows // 3
+    return rng.permutation(idx)
+
+
+REDUCES = ["sum", "mean", "max", "min"]
+
+
+HUB_CASES = [(f, np.float32) for f in (1, 3, 16, 64, 130, 256)] + [
+    (f, dtype) for f in (3, 64, 256) for dtype in (jnp.bfloat16, np.float16)
+]
+
+
+@pytest.mark.parametrize("n_features,dtype", HUB_CASES)
+def test_hub_row_with_90_percent_of_nonzeros(rng, n_features, dtype):
+    """Both passes (short rows and a 2700-nonzero row over 43 chunks), every reduce."""
+    idx = _hub_ids(rng, 3000, 40, 0.9)
+    A = CSRMatrix.from_indices(idx, num_rows=40, backends=ALL)
+    v = random_values(rng, (3000, n_features)).astype(dtype)
+    for reduce in REDUCES:
+        out = jaxcsr.matmul(A, jnp.asarray(v), impl="pallas_gpu", interpret=True, reduce=reduce)
+        assert out.dtype == np.dtype(dtype)
+        assert_close(out, segment_reference(v, idx, 40, reduce), dtype)
+
+
+@pytest.mark.parametrize("num_segments", [1, 24])
+def test_few_segments_over_400k_values(rng, num_segments):
+    """The molecular-dynamics energy reduction: 1-24 segments over 400k values."""
+    idx = np.sort(rng.integers(0, num_segments, 400_000))
+    A = CSRMatrix.from_indices(idx, num_rows=num_segments, backends=ALL)
+    for n_features, dtype in ((1, np.float32), (3, np.float32), (16, jnp.bfloat16)):
+        v = random_values(rng, (400_000, n_features)).astype(dtype)
+        for reduce in ("sum", "max"):
+            out = jaxcsr.matmul(A, v, impl="pallas_gpu", interpret=True, reduce=reduce)
+            expected = segment_reference(v, idx, num_segments, reduce)
+            if reduce == "sum" and dtype == np.float32:  # 17k-400k terms per sum
+                bound = 2e-6 * np.abs(v.astype(np.float64)).sum() / num_segments
+                np.testing.assert_allclose(np.asarray(out, np.float64), expected, atol=bound)
+            elif reduce == "sum":  # float32 sums rounded once to bfloat16
+                assert_close(out, expected, dtype)
+            else:
+                np.testing.assert_array_equal(np.asarray(out, np.float64), expected)
+
+
+def test_two_runs_are_bit_identical(rng):
+    """No atomics: every sum has a fixed order (here in interpret mode; the SASS
+    check in test_gpu_sass.py shows the compiled kernel has no atomics either)."""
+    idx = _hub_ids(rng, 5000, 300, 0.3)
+    A = CSRMatrix.from_indices(idx, num_rows=300, backends=ALL)
+    v = jnp.asarray(random_values(rng, (5000, 20)), jnp.float32)
+    f = jax.jit(lambda v: jaxcsr.matmul(A, v, impl="pallas_gpu", interpret=True))
+    first, second = np.asarray(f(v)), np.asarray(f(v))
+    np.testing.assert_array_equal(first.view(np.int32), second.view(np.int32))
+    assert_close(first, segment_reference(v, idx, 300), np.float32)
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+def test_nan_propagates_through_both_passes(rng, reduce):
+    idx = _hub_ids(rng, 1000, 9, 0.8)  # the hub row is long, the others short
+    v = random_values(rng, (1000, 4)).astype(np.float32)
+    hub, short = np.flatnonzero(idx == 3), np.flatnonzero(idx == 5)
+    v[hub[700], 1] = np.nan  # deep in the long row's chunks
+    v[short[0], 2] = np.nan
+    A = CSRMatrix.from_indices(idx, num_rows=9, backends=ALL)
+    out = np.asarray(jaxcsr.matmul(A, v, impl="pallas_gpu", interpret=True, reduce=reduce))
+    expected = segment_reference(v, idx, 9, reduce)
+    np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
+    assert np.isnan(out[3, 1]) and np.isnan(out[5, 2])
+    np.testing.assert_array_equal(np.nan_to_num(out), np.nan_to_num(expected.astype(np.float32)))
+
+
+def test_grads_through_both_passes(rng):
+    idx = _hub_ids(rng, 600, 12, 0.5)
+    w = random_values(rng, (600,)).astype(np.float32)
+    A = CSRMatrix.from_indices(idx, num_rows=12, data=w, backends=ALL)
+    v = jnp.asarray(random_values(rng, (600, 3)), jnp.float32)
+    ct = random_values(rng, (12, 3)).astype(np.float32)
+    for reduce in REDUCES:
+
+        def loss(w, v, impl, reduce=reduce):
+            kw = {"interpret": True} if impl == "pallas_gpu" else {}
+            out = jaxcsr.matmul(A.with_data(w), v, impl=impl, reduce=reduce, **kw)
+            return jnp.sum(out * ct)
+
+        gw, gv = jax.grad(loss, argnums=(0, 1))(A.data, v, "pallas_gpu")
+        rw, rv = jax.grad(loss, argnums=(0, 1))(A.data, v, "xla")
+        assert_close(gw, rw, np.float32)
+        assert_close(gv, rv, np.float32)
+
+
+def test_lane_plan_covers_every_nonzero_once():
+    # rows 1 and 4 are long; row 4 has more than CHUNK partials (so pass 1b groups them)
+    big = gpu.CHUNK * gpu.CHUNK + 5 * gpu.CHUNK + 3
+    indptr = np.cumsum([0, 0, 100, 1, 0, big, 10]).astype(np.int32)
+    nnz = int(indptr[-1])
+    lanes = gpu.plan_lanes(indptr)
+    num_short = int(lanes.num_short[0])
+    chunks, groups, max_long = gpu.lane_capacities(6, nnz)
+    assert lanes.chunk_start.size == chunks and lanes.group_start.size == groups
+    assert chunks % gpu.GROUP == 0 and groups % gpu.GROUP == 0  # shape and nnz only
+    assert lanes.row.size == 6 and sorted(lanes.row) == list(range(6))  # every row once
+    assert num_short == 4 and list(lanes.row[num_short:]) == [1, 4] and max_long >= 2
+    lengths = lanes.chunk_end.astype(int) - lanes.chunk_start
+    assert 0 <= lengths.min() and lengths.max() <= gpu.CHUNK
+    covered = np.zeros(nnz, int)
+    for s, e in zip(lanes.chunk_start, lanes.chunk_end, strict=True):
         covered[s:e] += 1
-    np.testing.assert_array_equal(covered, 1)  # every nonzero exactly once
-    assert set(items.row[lengths > 0]) == {1, 2, 4}  # empty rows get no item
+    for lane in range(num_short):
+        s, e, r = lanes.start[lane], lanes.end[lane], lanes.row[lane]
+        assert (s, e) == (indptr[r], indptr[r + 1])
+        covered[s:e] += 1
+    np.testing.assert_array_equal(covered, 1)  # every nonzero in exactly one lane
+    # row 1 (2 chunks) reads its chunk partials directly, in order
+    s, e = lanes.start[num_short], lanes.end[num_short]
+    assert e - s == 2 and lanes.chunk_start[s] == indptr[1] and lanes.chunk_end[e - 1] == indptr[2]
+    # row 4 (CHUNK + 6 chunks) reads 2 group partials, which cover its chunks in order
+    s, e = lanes.start[num_short + 1], lanes.end[num_short + 1]
+    assert (s, e) == (chunks, chunks + 2)
+    first, last = lanes.group_start[0], lanes.group_end[1]
+    assert lanes.group_end[0] - first == gpu.CHUNK and lanes.group_start[1] == lanes.group_end[0]
+    assert lanes.chunk_start[first] == indptr[4] and lanes.chunk_end[last - 1] == indptr[5]
+    assert np.all(lanes.group_end[2:] == lanes.group_start[2:])  # unused slots are empty
+
+
+def test_lane_order_groups_rows_by_length_unless_csr_order_is_as_good():
+    rng = np.random.default_rng(7)
+    skewed = np.concatenate([[0], np.cumsum(np.where(rng.random(256) < 0.1, 60, 1))])
+    lanes = gpu.plan_lanes(skewed)
+    stats = gpu.lane_stats(skewed)
+    lengths = np.diff(skewed)[lanes.row[: int(lanes.num_short[0])]]
+    assert not stats.csr_order and np.all(np.diff(lengths) >= 0)  # sorted by length
+    uniform = np.arange(0, 257 * 5, 5)
+    assert gpu.lane_stats(uniform).csr_order and gpu.lane_stats(uniform).utilisation == 1.0
+    np.testing.assert_array_equal(gpu.plan_lanes(uniform).row, np.arange(256))
 
 
 def test_tile_table():
-    assert gpu.tile_config(1) == (16, 1)
-    assert gpu.tile_config(33) == (64, 2)
-    assert gpu.tile_config(512) == (128, 4)
+    for (width, itemsize), cfg in gpu.TILE_TABLE.items():
+        assert cfg.block_n == width and gpu.GROUP % cfg.block_m == 0
+        per_thread = cfg.block_k * cfg.block_m * cfg.block_n / (32 * cfg.num_warps)
+        assert per_thread <= 64, (width, itemsize)
+    assert gpu.tile_config(1).block_n == 16
+    assert gpu.tile_config(33, jnp.bfloat16) == gpu.TILE_TABLE[(64, 2)]
+    assert gpu.tile_config(512).block_n == 256  # wider operands take several blocks
 
 
 def _export_cuda(f, *args):
@@ -173,3 +301,45 @@ def test_gpu_benchmark_script_smoke(tmp_path):
         assert row["systems"]["jaxcsr_pallas"]["rel_error_vs_pallas"] == 0.0  # the reference
         assert row["systems"]["jaxcsr_xla"]["rel_error_vs_pallas"] <= 1e-4
     assert (tmp_path / "gpu_results.md").exists()
+
+
+MISSING_TRITON = """
+import re, sys, warnings
+sys.modules["jax.experimental.pallas.triton"] = None  # what a jax without it raises
+import jax, jax.numpy as jnp, numpy as np
+from jax import export
+import jaxcsr
+from jaxcsr.kernels import gpu
+assert not gpu.available()
+A = jaxcsr.CSRMatrix.from_indices(np.array([0, 2, 2, 1]), 3, backends=["xla", "pallas_gpu"])
+spec = jax.ShapeDtypeStruct((4, 8), jnp.float32)
+checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):  # two products, one warning
+        text = export.export(jax.jit(lambda v: A @ v), platforms=["cuda"],
+                             disabled_checks=checks)(spec).mlir_module()
+        assert "__gpu$xla.gpu.triton" not in text
+messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+assert len(messages) == 1 and "XLA path" in messages[0], messages
+try:
+    jaxcsr.matmul(A, jnp.ones((4, 8)), impl="pallas_gpu", interpret=True)
+except RuntimeError as err:
+    assert "impl='pallas_gpu'" in str(err) and "does not ship" in str(err), err
+else:
+    raise AssertionError("impl='pallas_gpu' ran without Pallas Triton")
+print("ok")
+"""
+
+
+def test_without_pallas_triton_cuda_falls_back_to_xla_with_one_warning():
+    """A jax without the Pallas Triton backend (deprecated in JAX 0.11): impl=None on
+    CUDA lowers to the XLA path with one warning; impl='pallas_gpu' raises."""
+    import subprocess
+    import sys
+
+    result = subprocess.run(
+        [sys.executable, "-c", MISSING_TRITON], capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"

@@ -15,6 +15,7 @@ the kernel entry ``product``. Adding a backend means adding a module and one
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -36,8 +37,10 @@ class Backend:
       platform: the JAX platform whose default it is (``None``: none, the fallback).
       dtypes: value/operand dtypes it takes (``None``: every numeric dtype).
       plan: host function ``Structure (numpy leaves) -> plan pytree or None``.
-      product: ``(x, data, structure, plan, *, reduce, interpret) -> (m, F) float32``;
-        ``None`` for the XLA path, which the primitive runs itself.
+      product: ``(x, data, structure, plan, *, reduce, out_dtype, interpret) -> (m, F)``
+        in ``out_dtype`` with empty rows zero for every reduction; ``None`` for the
+        XLA path, which the primitive runs itself.
+      available: whether this jax can run it (a Pallas backend may be missing).
     """
 
     name: str
@@ -45,6 +48,26 @@ class Backend:
     dtypes: tuple[np.dtype, ...] | None
     plan: Callable[[Any], Any]
     product: Callable[..., jax.Array] | None
+    available: Callable[[], bool] = lambda: True
+
+    def require_available(self) -> None:
+        """Raises a ``RuntimeError`` naming the jax version if this jax cannot run it."""
+        if not self.available():
+            raise RuntimeError(
+                f"impl={self.name!r}: jax {jax.__version__} does not ship the Pallas backend "
+                "this kernel is written in; use impl=None (falls back to XLA) or impl='xla'"
+            )
+
+    def warn_unavailable(self) -> None:
+        """One warning per process and backend that its platform falls back to XLA."""
+        if self.name not in _WARNED:
+            _WARNED.add(self.name)
+            warnings.warn(
+                f"jax {jax.__version__} cannot run the {self.name!r} kernel (its Pallas "
+                f"backend is missing); products on {self.platform!r} run on the XLA path",
+                RuntimeWarning,
+                stacklevel=2,
+            )
 
     def supports(self, *dtypes) -> bool:
         """Whether every non-``None`` dtype is one this backend takes."""
@@ -54,6 +77,7 @@ class Backend:
 
 
 BACKENDS: dict[str, Backend] = {}
+_WARNED: set[str] = set()
 
 
 def register(backend: Backend) -> None:
@@ -62,7 +86,7 @@ def register(backend: Backend) -> None:
 
 
 register(Backend("xla", None, None, lambda structure: None, None))
-register(Backend("pallas_gpu", "cuda", KERNEL_DTYPES, gpu.plan, gpu.product))
+register(Backend("pallas_gpu", "cuda", KERNEL_DTYPES, gpu.plan, gpu.product, gpu.available))
 register(Backend("pallas_tpu", "tpu", KERNEL_DTYPES, tpu.plan, tpu.product))
 
 

@@ -1,31 +1,31 @@
-"""Pallas GPU kernel (Triton backend): load-balanced, row-tiled CSR x dense product.
+"""Pallas GPU kernel (Triton backend): an atomic-free, deterministic CSR x dense product.
 
-Schedule (planned on the host by this module, :func:`plan_work_items`, into a
-:class:`GpuPlan` the matrix carries when built with ``backends=`` including
-``"pallas_gpu"``): the nonzeros
-are cut into *work items* of at most :data:`CHUNK` nonzeros, each inside one row;
-a row longer than ``CHUNK`` spans several items, so a row with 100k nonzeros is
-spread over thousands of programs instead of serialising one. Each program takes
-:data:`ITEMS_PER_PROGRAM` consecutive items (several short rows per program) and
-one block of ``block_n`` feature columns (a power of two; the tail is masked).
+Design (details, tile table and machine-code checks in ``docs/gpu.md``):
 
-Per item the program walks its nonzeros, loads the gathered row ``x[col, cols]``
-with a dynamic start (``pl.ds``), multiplies by the value (skipped for one-valued
-matrices), accumulates in float32 and adds the partial row into the float32 output
-with one atomic add (partials of a split row meet there). The output starts as
-zeros (an aliased input), so empty rows are zeros; it is padded to whole column
-blocks (sliced afterwards) so the atomic needs no mask. Float atomics make the
-summation order, hence the last bits, vary between runs.
+* **Lanes.** A program owns ``block_m`` *lanes*; a lane reduces one short row (at
+  most :data:`CHUNK` nonzeros) or one chunk of a long row. Each step loads a
+  ``(block_k, block_m)`` tile of column indices and gathers the ``(block_k, block_m,
+  block_n)`` rows of ``x`` with one integer-array indexer, then reduces over
+  ``block_k`` in float32 registers. ``block_k`` nonzeros of every lane are in flight
+  at once instead of one dependent load per nonzero.
+* **Two passes, no atomics.** Pass 1 reduces the chunks of rows longer than
+  :data:`CHUNK` into float32 *partials* (one row each). Pass 2 writes every output
+  row exactly once, in the result dtype: a short row from its gathered nonzeros, a
+  long row by reducing its partials in a fixed order (one program per long row, the
+  partials tiled over all of its lanes). No zero-initialised output, no aliasing, no
+  padding slice; and since every sum has a fixed order, results are bit-for-bit
+  deterministic run to run for ``sum``, ``max`` and ``min`` alike.
+* **Host plan** (:func:`plan_lanes`, once per matrix, independent of the feature
+  width): short rows are ordered by length so a program's lanes do similar work,
+  unless CSR order wastes little lane work (then consecutive rows, which often share
+  columns, stay together for cache reuse). Array lengths depend only on ``(m, nnz)``:
+  matrices of one shape and nnz share one compilation.
+* ``reduce="max"``/``"min"`` reduce int32 *order keys* (:func:`float_to_key`: float
+  bits with the magnitude of negatives flipped, so integer order is float order;
+  NaN maps to the winning key), so NaN propagates through any reduction order.
 
-``reduce="max"``/``"min"`` swaps the semiring in the same kernel. Inside a work
-item the products are reduced as int32 *order keys* (:func:`float_to_key`: the float
-bits with the magnitude bits of negatives flipped, so integer order is float order;
-NaN maps to the key that wins), then decoded and combined into the float32 output,
-which starts at -inf/+inf, with a float ``atomic_max``/``atomic_min`` (Pallas
-expands it into signed/unsigned integer atomics on the float bits). The NaN a
-chunk carries has the sign bit that wins that expansion (+NaN for max, -NaN for
-min), so NaN propagates. Integer atomics are order-independent: max/min results
-are deterministic. The caller zeroes empty rows.
+The tile table (:data:`TILE_TABLE`) was chosen from the Hopper machine-code check
+(``tests/test_gpu_sass.py``): no spills, 128-bit loads, registers under the target.
 """
 
 from __future__ import annotations
@@ -39,20 +39,89 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as pltriton
+
+try:  # JAX 0.11 marks the Pallas Triton backend deprecated; it may go away.
+    from jax.experimental.pallas import triton as pltriton
+except ImportError:  # pragma: no cover - exercised by a subprocess test
+    pltriton = None
 
 from jaxcsr.structure import Structure
 
-CHUNK = 32
-"""Most nonzeros one work item reduces (bounds the longest serial loop)."""
-ITEMS_PER_PROGRAM = 4
-"""Work items per program: packs short rows so no program idles on one of them."""
+__all__ = [
+    "CHUNK",
+    "GROUP",
+    "TILE_TABLE",
+    "GpuPlan",
+    "LaneStats",
+    "Lanes",
+    "TileConfig",
+    "available",
+    "float_to_key",
+    "key_to_float",
+    "lane_capacities",
+    "lane_stats",
+    "plan",
+    "plan_lanes",
+    "product",
+    "spmm",
+    "tile_config",
+]
 
-# feature width -> (block_n, num_warps); a block covers min(next_pow2(F), 128)
-# columns. Chosen so that one warp covers 32 columns; not yet tuned on hardware.
-TILE_TABLE: dict[int, tuple[int, int]] = {16: (16, 1), 32: (32, 1), 64: (64, 2), 128: (128, 4)}
+CHUNK = 64
+"""Most nonzeros one lane reduces: longer rows are cut into chunks of this many."""
+GROUP = 32
+"""Lanes the host plan groups by length (the widest ``block_m`` of the tile table)."""
+CSR_ORDER_MIN_UTILISATION = 0.9
+"""CSR row order is kept when its lane utilisation is at least this fraction of the
+length-sorted order's (then grouping would gain little and cost column reuse)."""
 
 
+def available() -> bool:
+    """Whether this jax ships the Pallas Triton backend the kernel is written in."""
+    return pltriton is not None
+
+
+# ----------------------------------------------------------------- tile table
+@dataclasses.dataclass(frozen=True)
+class TileConfig:
+    """One kernel configuration: lanes, nonzeros per step, feature columns, warps."""
+
+    block_m: int
+    block_k: int
+    block_n: int
+    num_warps: int
+
+
+# (feature width rounded up to a power of two, bytes per operand element) -> config.
+# block_k * block_m * block_n / (32 * num_warps) gathered elements per thread stay at
+# 64 or fewer; block_n covers whole 16-byte vectors. See docs/gpu.md for the SASS table.
+TILE_TABLE: dict[tuple[int, int], TileConfig] = {
+    (16, 4): TileConfig(32, 16, 16, 4),
+    (32, 4): TileConfig(32, 8, 32, 4),
+    (64, 4): TileConfig(16, 8, 64, 4),
+    (128, 4): TileConfig(8, 8, 128, 4),
+    (256, 4): TileConfig(4, 8, 256, 4),
+    (16, 2): TileConfig(32, 16, 16, 4),
+    (32, 2): TileConfig(32, 8, 32, 4),
+    (64, 2): TileConfig(16, 8, 64, 4),
+    (128, 2): TileConfig(8, 8, 128, 4),
+    (256, 2): TileConfig(4, 8, 256, 4),
+}
+
+
+def tile_config(n_features: int, dtype: Any = jnp.float32) -> TileConfig:
+    """The :data:`TILE_TABLE` entry for a feature width and operand dtype.
+
+    Widths round up to a power of two between 16 and 256; wider operands take
+    several column blocks of 256.
+    """
+    width = 16
+    while width < min(n_features, 256):
+        width *= 2
+    return TILE_TABLE[(width, min(np.dtype(dtype).itemsize, 4))]
+
+
+# ------------------------------------------------------------------ order keys
 _FLIP = 0x7FFFFFFF
 _INT32_MAX = 2**31 - 1
 _INT32_MIN = -(2**31)
@@ -77,80 +146,159 @@ def _identity_key(reduce: str) -> int:
     return bits ^ _FLIP if bits < 0 else bits
 
 
-def tile_config(n_features: int) -> tuple[int, int]:
-    """``(block_n, num_warps)`` for a feature width (see :data:`TILE_TABLE`)."""
-    width = 16
-    while width < min(n_features, 128):
-        width *= 2
-    return TILE_TABLE[width]
-
-
 # ------------------------------------------------------------------ host plan
 @dataclasses.dataclass(frozen=True)
-class WorkItems:
-    """A load-balanced split of a CSR matrix's nonzeros into bounded work items.
+class Lanes:
+    """The passes' lanes for one CSR orientation (host-planned, device arrays).
 
-    Item ``t`` reduces nonzeros ``start[t]:end[t]`` (at most ``chunk`` of them), all
-    in row ``row[t]``. A row longer than ``chunk`` is split over several items
-    (their partial sums are combined by atomic adds), so one huge row cannot
-    serialise a kernel; empty rows get no item (the output starts at zero).
+    Pass 1 (chunks of long rows): chunk ``c`` reduces nonzeros
+    ``chunk_start[c]:chunk_end[c]`` into partial ``c``. Pass 1b (rows with more than
+    :data:`CHUNK` partials): group ``g`` reduces partials ``group_start[g]:group_end[g]``
+    into partial ``num_chunk_slots + g``. Pass 2 (one lane per row): lane ``l`` writes
+    output row ``row[l]``; the first ``num_short[0]`` lanes are short rows reducing
+    nonzeros ``start[l]:end[l]``, the rest long rows reducing partials
+    ``start[l]:end[l]`` (chunk partials, or group partials where there are groups).
+    Unused slots are empty (``start == end``).
 
-    The arrays have :func:`work_item_capacity` entries -- a function of ``(m, nnz)``
-    only, so matrices of equal shape and nnz share one compilation; the slots after
-    the real items are empty (``start == end``).
+    Lengths: ``row/start/end`` have ``m`` entries, ``chunk_*`` and ``group_*``
+    :func:`lane_capacities` -- functions of ``(m, nnz)`` only.
     """
 
     row: Any
     start: Any
     end: Any
-    chunk: int
-    items_per_program: int
-
-    @property
-    def num_programs(self) -> int:
-        return self.row.shape[0] // self.items_per_program
+    num_short: Any
+    chunk_start: Any
+    chunk_end: Any
+    group_start: Any
+    group_end: Any
 
 
 jax.tree_util.register_dataclass(
-    WorkItems, data_fields=["row", "start", "end"], meta_fields=["chunk", "items_per_program"]
+    Lanes,
+    data_fields=[
+        "row", "start", "end", "num_short", "chunk_start", "chunk_end", "group_start", "group_end"
+    ],
+    meta_fields=[],
 )
 
 
-def work_item_capacity(num_rows: int, nnz: int, chunk: int, items_per_program: int) -> int:
-    """Upper bound on the items of any ``(num_rows, nnz)`` structure, whole programs.
+def lane_capacities(num_rows: int, nnz: int) -> tuple[int, int, int]:
+    """``(chunk slots, group slots, long-row bound)`` for any ``(num_rows, .)`` structure
+    with ``nnz`` nonzeros (slots rounded up to whole groups of :data:`GROUP` lanes).
 
-    A row of length ``L`` takes ``ceil(L / chunk) <= L / chunk + 1`` items and at most
-    ``min(num_rows, nnz)`` rows are non-empty, so ``ceil(nnz / chunk) + min(num_rows,
-    nnz)`` items always suffice.
+    A long row has more than :data:`CHUNK` nonzeros, so there are at most
+    ``nnz // (CHUNK + 1)`` of them, and a row of length ``L`` makes
+    ``ceil(L / CHUNK) <= L / CHUNK + 1`` chunks: ``nnz // CHUNK + long rows`` chunk
+    slots always suffice. Likewise a row with more than ``CHUNK`` partials (over
+    ``CHUNK**2`` nonzeros) makes ``ceil(partials / CHUNK)`` groups.
     """
-    bound = -(-nnz // chunk) + min(num_rows, nnz)
-    return max(1, -(-bound // items_per_program)) * items_per_program
+    long_rows = min(num_rows, nnz // (CHUNK + 1))
+    chunks = nnz // CHUNK + long_rows
+    groups = chunks // CHUNK + min(num_rows, nnz // (CHUNK * CHUNK + 1))
+    return chunks + (-chunks) % GROUP, groups + (-groups) % GROUP, long_rows
 
 
-def plan_work_items(indptr: np.ndarray, chunk: int = 0, items_per_program: int = 0) -> WorkItems:
-    """Splits every row into items of at most ``chunk`` nonzeros (host, once).
+def _utilisation(lengths: np.ndarray) -> float:
+    """Useful / issued lane slots when lanes go ``GROUP`` at a time in this order."""
+    if lengths.size == 0 or lengths.sum() == 0:
+        return 1.0
+    pad = (-lengths.size) % GROUP
+    groups = np.concatenate([lengths, np.zeros(pad, lengths.dtype)]).reshape(-1, GROUP)
+    return float(lengths.sum() / (groups.max(axis=1).sum() * GROUP))
 
-    Defaults: :data:`CHUNK` and :data:`ITEMS_PER_PROGRAM`.
+
+@dataclasses.dataclass(frozen=True)
+class LaneStats:
+    """How well a plan fills its lanes (host-side report, not part of the plan).
+
+    Attributes:
+      short_rows / long_rows / chunks: lane counts of the two passes.
+      csr_order: whether short rows keep CSR order (else sorted by length).
+      utilisation: useful / issued nonzero slots of the short-row lanes, in groups
+        of :data:`GROUP` lanes (1.0: every lane of a group is as long as the longest).
     """
-    chunk = chunk or CHUNK
-    items_per_program = items_per_program or ITEMS_PER_PROGRAM
-    if chunk < 1 or items_per_program < 1:
-        raise ValueError(
-            f"chunk and items_per_program must be >= 1, got {chunk}, {items_per_program}"
-        )
+
+    short_rows: int
+    long_rows: int
+    chunks: int
+    csr_order: bool
+    utilisation: float
+
+
+def _short_row_order(lengths: np.ndarray) -> tuple[np.ndarray, bool, float]:
+    """Order of the short rows (indices into ``lengths``), whether CSR, utilisation."""
+    by_length = np.argsort(lengths, kind="stable")
+    csr_util, sorted_util = _utilisation(lengths), _utilisation(lengths[by_length])
+    if csr_util >= CSR_ORDER_MIN_UTILISATION * sorted_util:
+        return np.arange(lengths.size), True, csr_util
+    return by_length, False, sorted_util
+
+
+def lane_stats(indptr: np.ndarray) -> LaneStats:
+    """:class:`LaneStats` of :func:`plan_lanes` for this row pointer."""
+    lengths = np.diff(np.asarray(indptr)).astype(np.int64)
+    is_long = lengths > CHUNK
+    _, csr_order, util = _short_row_order(lengths[~is_long])
+    chunks = int((-(-lengths[is_long] // CHUNK)).sum())
+    return LaneStats(int((~is_long).sum()), int(is_long.sum()), chunks, csr_order, util)
+
+
+def plan_lanes(indptr: np.ndarray) -> Lanes:
+    """Plans both passes for a CSR row pointer (host, once)."""
     indptr = np.asarray(indptr)
-    lengths = np.diff(indptr).astype(np.int64)
-    pieces = -(-lengths // chunk)  # ceil; 0 for empty rows
-    row = np.repeat(np.arange(lengths.size, dtype=np.int64), pieces)
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    start = indptr[:-1].astype(np.int64)[row] + (np.arange(row.size) - first) * chunk
-    end = np.minimum(start + chunk, indptr[1:].astype(np.int64)[row])
-    capacity = work_item_capacity(lengths.size, int(indptr[-1]), chunk, items_per_program)
     itype = indptr.dtype
-    out = [np.zeros(capacity, itype) for _ in range(3)]
-    for dst, src in zip(out, (row, start, end), strict=True):
-        dst[: src.size] = src
-    return WorkItems(*out, chunk, items_per_program)
+    m = indptr.size - 1
+    nnz = int(indptr[-1])
+    lengths = np.diff(indptr).astype(np.int64)
+    is_long = lengths > CHUNK
+    short_rows = np.flatnonzero(~is_long)
+    long_rows = np.flatnonzero(is_long)
+
+    # Pass 1: chunks of long rows, row by row (a row's partials are contiguous).
+    pieces = -(-lengths[long_rows] // CHUNK)
+    owner = np.repeat(np.arange(long_rows.size), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    chunk_start = (
+        indptr[:-1].astype(np.int64)[long_rows][owner] + (np.arange(owner.size) - first) * CHUNK
+    )
+    chunk_end = np.minimum(chunk_start + CHUNK, indptr[1:].astype(np.int64)[long_rows][owner])
+    num_chunks, num_groups, _ = lane_capacities(m, nnz)
+
+    # Pass 1b: rows with more than CHUNK partials reduce them CHUNK at a time into
+    # group partials, stored after the chunk slots of the same buffer.
+    partial_end = np.cumsum(pieces)
+    partial_start = partial_end - pieces
+    groups = np.where(pieces > CHUNK, -(-pieces // CHUNK), 0)
+    g_owner = np.repeat(np.arange(long_rows.size), groups)
+    g_first = np.repeat(np.cumsum(groups) - groups, groups)
+    group_start = partial_start[g_owner] + (np.arange(g_owner.size) - g_first) * CHUNK
+    group_end = np.minimum(group_start + CHUNK, partial_end[g_owner])
+    group_slot_end = num_chunks + np.cumsum(groups)
+    long_start = np.where(groups > 0, group_slot_end - groups, partial_start)
+    long_end = np.where(groups > 0, group_slot_end, partial_end)
+
+    # Pass 2: short rows in CSR order or by length, then long rows.
+    short_rows = short_rows[_short_row_order(lengths[short_rows])[0]]
+    row = np.concatenate([short_rows, long_rows])
+    start = np.concatenate([indptr[:-1][short_rows], long_start])
+    end = np.concatenate([indptr[1:][short_rows], long_end])
+
+    def padded(values, size):
+        out = np.zeros(size, itype)
+        out[: values.size] = values
+        return out
+
+    return Lanes(
+        row=row.astype(itype),
+        start=start.astype(itype),
+        end=end.astype(itype),
+        num_short=np.array([short_rows.size], itype),
+        chunk_start=padded(chunk_start, num_chunks),
+        chunk_end=padded(chunk_end, num_chunks),
+        group_start=padded(group_start, num_groups),
+        group_end=padded(group_end, num_groups),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -158,24 +306,24 @@ class GpuPlan:
     """What the Triton kernel reads beyond the portable core.
 
     Attributes:
-      items: work items of the planned orientation ``C``.
-      t_items: work items of ``C.T`` for ``"general"`` structures; ``None`` for the
+      lanes: lanes of the planned orientation ``C``.
+      t_lanes: lanes of ``C.T`` for ``"general"`` structures; ``None`` for the
         ``"columns"`` kind, whose transpose is a row gather (XLA's own gather does
         what a kernel would: one load per output row).
     """
 
-    items: WorkItems
-    t_items: WorkItems | None
+    lanes: Lanes
+    t_lanes: Lanes | None
 
 
-jax.tree_util.register_dataclass(GpuPlan, data_fields=["items", "t_items"], meta_fields=[])
+jax.tree_util.register_dataclass(GpuPlan, data_fields=["lanes", "t_lanes"], meta_fields=[])
 
 
 def plan(structure: Structure) -> GpuPlan:
     """The host plan for a host :class:`~jaxcsr.structure.Structure` (numpy leaves)."""
     indptr, t_indptr = structure.kernel_indptrs()
-    t_items = None if t_indptr is None else plan_work_items(t_indptr)
-    return GpuPlan(plan_work_items(indptr), t_items)
+    t_lanes = None if t_indptr is None else plan_lanes(t_indptr)
+    return GpuPlan(plan_lanes(indptr), t_lanes)
 
 
 def product(
@@ -185,114 +333,258 @@ def product(
     gpu_plan: GpuPlan,
     *,
     reduce: str,
+    out_dtype: Any,
     interpret: bool,
 ) -> jax.Array:
-    """Kernel entry for the backend registry: the viewed matrix times ``x``, float32."""
+    """Kernel entry for the backend registry: the viewed matrix times ``x``."""
     if structure.one_per_row:
         raise ValueError("a one-entry-per-row view is a row gather: the XLA path runs it")
-    items = gpu_plan.t_items if structure.transposed else gpu_plan.items
+    lanes = gpu_plan.t_lanes if structure.transposed else gpu_plan.lanes
     return spmm(
         x,
         data,
-        items,
+        lanes,
         structure.view_indices(),
         num_rows=structure.shape[0],
         reduce=reduce,
+        out_dtype=out_dtype,
         interpret=interpret,
     )
 
 
 # --------------------------------------------------------------------- kernel
-def _kernel(row_ref, start_ref, end_ref, idx_ref, *refs, has_data, block_n, n_features, reduce):
-    if has_data:
-        data_ref, x_ref, _, out_ref = refs
+def _gather_reduce(src_ref, positions, valid, col0, block_n, n_features, scale, reduce):
+    """Gathers ``src_ref[positions, col0:col0+block_n]`` and reduces over axis 0.
+
+    ``positions``/``valid``/``scale``: ``(block_k, lanes)``; returns ``(lanes,
+    block_n)`` float32 sums or int32 keys.
+    """
+    cols = col0 + jnp.arange(block_n)
+    mask = valid[:, :, None]
+    if n_features % block_n:
+        mask = mask & (cols < n_features)[None, None, :]
+    # All-array indexers (Pallas interpret mode does not mix them with pl.ds); the
+    # column index is col0 + iota, which Triton still sees as contiguous.
+    tile = pltriton.load(
+        src_ref.at[positions[:, :, None], cols[None, None, :]], mask=mask, other=0
+    ).astype(jnp.float32)
+    if scale is not None:
+        tile = tile * scale[:, :, None]
+    if reduce == "sum":
+        return jnp.sum(tile, axis=0)
+    keys = jnp.where(mask, float_to_key(tile, reduce), jnp.int32(_identity_key(reduce)))
+    return jnp.max(keys, axis=0) if reduce == "max" else jnp.min(keys, axis=0)
+
+
+def _cdiv(a: jax.Array, b: int) -> jax.Array:
+    """Ceiling division of a traced integer by a static one, in ``a``'s dtype (the
+    index dtype may be int32 while Python ints default to int64 under x64)."""
+    return lax.div(a + (b - 1), jnp.asarray(b, a.dtype))
+
+
+def _combine(acc, part, reduce):
+    if reduce == "sum":
+        return acc + part
+    return jnp.maximum(acc, part) if reduce == "max" else jnp.minimum(acc, part)
+
+
+def _init(shape, reduce):
+    if reduce == "sum":
+        return jnp.zeros(shape, jnp.float32)
+    return jnp.full(shape, _identity_key(reduce), jnp.int32)
+
+
+def _finish(acc, reduce):
+    return acc if reduce == "sum" else key_to_float(acc)
+
+
+def _reduce_lanes(start, end, col0, idx_ref, data_ref, x_ref, *, cfg, n_features, reduce):
+    """Reduces each lane's entries ``start:end`` (``(block_m,)``): rows ``idx_ref[k]`` of
+    ``x_ref`` (scaled by ``data_ref[k]``), or rows ``k`` themselves when ``idx_ref`` is
+    ``None``.
+
+    (Program ids are read by the caller: interpret mode cannot read them inside
+    ``pl.when`` branches.)"""
+    steps = _cdiv(jnp.max(end - start), cfg.block_k)
+    offsets = jnp.arange(cfg.block_k)[:, None]
+
+    def step(k, acc):
+        pos = start[None, :] + k * cfg.block_k + offsets
+        valid = pos < end[None, :]
+        cols = pos if idx_ref is None else pltriton.load(idx_ref.at[pos], mask=valid, other=0)
+        scale = None
+        if data_ref is not None:
+            scale = pltriton.load(data_ref.at[pos], mask=valid, other=0).astype(jnp.float32)
+        part = _gather_reduce(x_ref, cols, valid, col0, cfg.block_n, n_features, scale, reduce)
+        return _combine(acc, part, reduce)
+
+    return lax.fori_loop(0, steps, step, _init((cfg.block_m, cfg.block_n), reduce))
+
+
+def _chunk_kernel(start_ref, end_ref, *refs, cfg, gather, has_data, n_features, reduce, slot0):
+    """Passes 1 and 1b: each lane reduces one chunk into its float32 partial.
+
+    Pass 1 (``gather``) reads rows of ``x`` by column index; pass 1b reads rows of the
+    partial buffer itself and writes partials from slot ``slot0`` on (the buffer is
+    aliased: it reads chunk slots and writes group slots).
+    """
+    if gather:
+        idx_ref, *refs = refs
     else:
-        x_ref, _, out_ref = refs
-    program, block = pl.program_id(0), pl.program_id(1)
-    col0 = block * block_n
-    col_mask = col0 + jnp.arange(block_n) < n_features
+        idx_ref = None
+    data_ref, src_ref, partial_ref = refs if has_data else (None, *refs)
+    lanes = pl.program_id(0) * cfg.block_m + jnp.arange(cfg.block_m)
+    start, end = pltriton.load(start_ref.at[lanes]), pltriton.load(end_ref.at[lanes])
+    col0 = pl.program_id(1) * cfg.block_n
+    acc = _reduce_lanes(
+        start, end, col0, idx_ref, data_ref, src_ref, cfg=cfg, n_features=n_features, reduce=reduce
+    )
+    cols = col0 + jnp.arange(cfg.block_n)
+    mask = (end > start)[:, None] & (cols < n_features)[None, :]
+    slots = (slot0 + lanes)[:, None]
+    pltriton.store(partial_ref.at[slots, cols[None, :]], _finish(acc, reduce), mask=mask)
 
-    def item_body(t, carry):
-        item = program * ITEMS_PER_PROGRAM + t
-        row, start, end = row_ref[item], start_ref[item], end_ref[item]
 
-        def nonzero_body(k, acc):
-            col = idx_ref[k]
-            vals = pltriton.load(x_ref.at[col, pl.ds(col0, block_n)], mask=col_mask, other=0)
-            vals = vals.astype(jnp.float32)
-            if has_data:
-                vals = vals * data_ref[k].astype(jnp.float32)
-            if reduce == "sum":
-                return acc + vals
-            combine = jnp.maximum if reduce == "max" else jnp.minimum
-            return combine(acc, float_to_key(vals, reduce))
+def _row_kernel(
+    row_ref, start_ref, end_ref, num_short_ref, idx_ref, *refs, cfg, has_data, n_features, reduce
+):
+    """Pass 2: every output row once -- short rows from ``x``, long rows from partials."""
+    data_ref, x_ref, partial_ref, out_ref = refs if has_data else (None, *refs)
+    num_rows = row_ref.shape[0]
+    num_short = num_short_ref[0]
+    short_programs = _cdiv(num_short, cfg.block_m)
+    program = pl.program_id(0)
+    col0 = pl.program_id(1) * cfg.block_n
+    cols = col0 + jnp.arange(cfg.block_n)
+    col_ok = cols < n_features
 
+    @pl.when(program < short_programs)
+    def _short_rows():
+        lanes = program * cfg.block_m + jnp.arange(cfg.block_m)
+        # Lanes past the short rows repeat the program's first lane: they write the
+        # same value to the same row (a masked-off store of a duplicate row would
+        # not be portable to interpret mode, where masked stores rewrite old values).
+        lanes = jnp.where(lanes < num_short, lanes, program * cfg.block_m)
+        start, end = pltriton.load(start_ref.at[lanes]), pltriton.load(end_ref.at[lanes])
+        rows = pltriton.load(row_ref.at[lanes])
+        acc = _reduce_lanes(
+            start,
+            end,
+            col0,
+            idx_ref,
+            data_ref,
+            x_ref,
+            cfg=cfg,
+            n_features=n_features,
+            reduce=reduce,
+        )
+        out = _finish(acc, reduce)
+        if reduce != "sum":  # empty rows hold 0, not the -inf/+inf identity
+            out = jnp.where((end > start)[:, None], out, 0.0)
+        pltriton.store(
+            out_ref.at[rows[:, None], cols[None, :]],
+            out.astype(out_ref.dtype),
+            mask=jnp.broadcast_to(col_ok[None, :], out.shape),
+        )
+
+    lane = num_short + (program - short_programs)
+
+    @pl.when((program >= short_programs) & (lane < num_rows))
+    def _long_row():
+        row, first, last = row_ref[lane], start_ref[lane], end_ref[lane]
+        per_step = cfg.block_k * cfg.block_m
+        flat = jnp.arange(cfg.block_k)[:, None] * cfg.block_m + jnp.arange(cfg.block_m)[None, :]
+
+        def step(k, acc):
+            pos = first + k * per_step + flat
+            part = _gather_reduce(
+                partial_ref, pos, pos < last, col0, cfg.block_n, n_features, None, reduce
+            )
+            return _combine(acc, part, reduce)
+
+        acc = lax.fori_loop(
+            0, _cdiv(last - first, per_step), step, _init((cfg.block_m, cfg.block_n), reduce)
+        )
         if reduce == "sum":
-            init = jnp.zeros((block_n,), jnp.float32)
+            acc = jnp.sum(acc, axis=0)
         else:
-            init = jnp.full((block_n,), _identity_key(reduce), jnp.int32)
-        acc = lax.fori_loop(start, end, nonzero_body, init)
-        if reduce != "sum":
-            acc = key_to_float(acc)
-        # Unmasked: the output is padded to whole column blocks and masked columns
-        # (and empty items) add the identity. Pallas interpret mode has no masked atomics.
-        atomic = {
-            "sum": pltriton.atomic_add,
-            "max": pltriton.atomic_max,
-            "min": pltriton.atomic_min,
-        }[reduce]
-        atomic(out_ref, (row, pl.ds(col0, block_n)), acc)
-        return carry
-
-    lax.fori_loop(0, ITEMS_PER_PROGRAM, item_body, 0)
+            acc = jnp.max(acc, axis=0) if reduce == "max" else jnp.min(acc, axis=0)
+        pltriton.store(
+            out_ref.at[row, cols],
+            _finish(acc, reduce).astype(out_ref.dtype),
+            mask=col_ok,
+        )
 
 
 def spmm(
     x: jax.Array,
     data: jax.Array | None,
-    items: WorkItems,
+    lanes: Lanes,
     indices: jax.Array,
     *,
     num_rows: int,
     reduce: str = "sum",
+    out_dtype: Any = jnp.float32,
     interpret: bool = False,
 ) -> jax.Array:
-    """``A @ x`` in float32 for ``x (n, F)``; ``items`` from ``plan_work_items``.
+    """``A @ x`` for ``x (n, F)`` with ``lanes`` from :func:`plan_lanes`.
 
     Args:
       x: dense operand ``(n, F)``, float16/bfloat16/float32.
       data: ``(nnz,)`` values or ``None`` (one-valued: no multiply).
-      items: :class:`WorkItems` (from :func:`plan_work_items`).
+      lanes: :class:`Lanes` of the viewed matrix.
       indices: ``(nnz,)`` CSR column indices.
       num_rows: ``m``.
       reduce: ``"sum"``, ``"max"`` or ``"min"``.
+      out_dtype: the result dtype (sums are carried in float32 and rounded once).
       interpret: run in Pallas interpret mode (CPU).
 
     Returns:
-      ``(m, F)`` float32; for max/min, empty rows hold -inf/+inf.
+      ``(m, F)`` in ``out_dtype``; empty rows are 0 for every reduction.
     """
     n_features = x.shape[1]
-    block_n, num_warps = tile_config(n_features)
-    row, start, end = items.row, items.start, items.end
-    num_programs = row.shape[0] // ITEMS_PER_PROGRAM
-    num_blocks = pl.cdiv(n_features, block_n)
-    padded = num_blocks * block_n
-    if reduce == "sum":
-        init = jnp.zeros((num_rows, padded), jnp.float32)
-    else:
-        fill = -jnp.inf if reduce == "max" else jnp.inf
-        init = jnp.full((num_rows, padded), fill, jnp.float32)  # float32 under x64 too
-    operands = [row, start, end, indices, *([] if data is None else [data]), x, init]
-    kernel = functools.partial(
-        _kernel, has_data=data is not None, block_n=block_n, n_features=n_features, reduce=reduce
-    )
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((num_rows, padded), init.dtype),
-        grid=(num_programs, num_blocks),
-        input_output_aliases={len(operands) - 1: 0},
-        compiler_params=pltriton.CompilerParams(num_warps=num_warps, num_stages=1),
+    cfg = tile_config(n_features, x.dtype)
+    num_blocks = pl.cdiv(n_features, cfg.block_n)
+    params = pltriton.CompilerParams(num_warps=cfg.num_warps, num_stages=1)
+    common = dict(cfg=cfg, has_data=data is not None, n_features=n_features, reduce=reduce)
+    values = [] if data is None else [data]
+    num_chunks, num_groups, max_long = lane_capacities(num_rows, indices.shape[0])
+
+    def chunk_pass(starts, ends, operands, *, gather, slot0, aliases):
+        return pl.pallas_call(
+            functools.partial(
+                _chunk_kernel,
+                cfg=cfg,
+                gather=gather,
+                has_data=gather and data is not None,
+                n_features=n_features,
+                reduce=reduce,
+                slot0=slot0,
+            ),
+            out_shape=jax.ShapeDtypeStruct((num_chunks + num_groups, n_features), jnp.float32),
+            grid=(pl.cdiv(starts.shape[0], cfg.block_m), num_blocks),
+            input_output_aliases=aliases,
+            compiler_params=params,
+            interpret=interpret,
+            name="jaxcsr_spmm_chunks" if gather else "jaxcsr_spmm_groups",
+        )(starts, ends, *operands)
+
+    partials = jnp.zeros((1, n_features), jnp.float32)  # no long rows possible
+    if num_chunks:
+        partials = chunk_pass(
+            lanes.chunk_start, lanes.chunk_end, [indices, *values, x], gather=True, slot0=0,
+            aliases={},
+        )
+    if num_groups:
+        partials = chunk_pass(
+            lanes.group_start, lanes.group_end, [partials], gather=False, slot0=num_chunks,
+            aliases={2: 0},
+        )
+    return pl.pallas_call(
+        functools.partial(_row_kernel, **common),
+        out_shape=jax.ShapeDtypeStruct((num_rows, n_features), out_dtype),
+        grid=(pl.cdiv(num_rows, cfg.block_m) + max_long, num_blocks),
+        compiler_params=params,
         interpret=interpret,
-        name="jaxcsr_spmm",
-    )(*operands)
-    return out if padded == n_features else out[:, :n_features]
+        name="jaxcsr_spmm_rows",
+    )(lanes.row, lanes.start, lanes.end, lanes.num_short, indices, *values, x, partials)

@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxcsr.kernels.xla import entry_values
+from jaxcsr.kernels.xla import entry_values, zero_empty_rows
 from jaxcsr.structure import Structure
 
 BLOCK_M = 128
@@ -306,11 +306,13 @@ def product(
     tpu_plan: TpuPlan,
     *,
     reduce: str,
+    out_dtype: Any,
     interpret: bool,
 ) -> jax.Array:
-    """Kernel entry for the backend registry: the viewed matrix times ``x``, float32.
+    """Kernel entry for the backend registry: the viewed matrix times ``x``.
 
-    Gathers X's rows into nonzero order (XLA), then runs the block-sparse kernel.
+    Gathers X's rows into nonzero order (XLA), runs the block-sparse kernel (float32
+    out), zeroes empty rows of max/min and casts to ``out_dtype``.
     """
     if structure.one_per_row:
         raise ValueError("a one-entry-per-row view is a row gather: the XLA path runs it")
@@ -318,7 +320,7 @@ def product(
     if values.dtype == jnp.float16:  # the MXU takes bfloat16 and float32
         values = values.astype(jnp.float32)
     tiles = tpu_plan.t_tiles if structure.transposed else tpu_plan.tiles
-    return spmm(
+    out = spmm(
         values,
         structure.row_ids(),
         tiles,
@@ -329,3 +331,6 @@ def product(
         # generic Pallas interpreter and tests run the kernel under both.
         interpret=interpret,
     )
+    if reduce != "sum":  # the kernel leaves -inf/+inf in empty rows
+        out = zero_empty_rows(out, structure)
+    return out.astype(out_dtype)
