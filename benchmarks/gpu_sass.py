@@ -54,17 +54,37 @@ class KernelCode:
     loads_32: int
 
 
+def export_for_cuda(fn, *args) -> export.Exported:
+    """``jax.export`` of ``jax.jit(fn)`` for CUDA on a machine without a GPU.
+
+    jax 0.10 lowers Pallas Triton for CUDA as is; jax 0.11 asks which GPU to lower
+    for: then an abstract ``NVIDIA H200`` (sm_90) device is named through an abstract
+    mesh (``AbstractDevice`` took different arguments before 0.11: only reached there).
+    """
+    checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
+
+    def run():
+        return export.export(jax.jit(fn), platforms=["cuda"], disabled_checks=checks)(*args)
+
+    try:
+        return run()
+    except Exception as err:
+        if "device" not in str(err).lower():
+            raise
+    from jax.sharding import AbstractDevice, AbstractMesh
+
+    device = AbstractDevice(device_kind="NVIDIA H200", num_cores=None, platform="cuda")
+    with jax.sharding.use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=device)):
+        return run()
+
+
 def triton_modules(fn, *args) -> list[tuple[str, str, int, int]]:
     """``(name, ttir, num_warps, num_stages)`` of each Triton call in ``fn``'s CUDA export."""
     from jax._src.interpreters import mlir as jax_mlir
     from jaxlib.mlir import ir
     from jaxlib.triton import dialect as triton_dialect
 
-    exported = export.export(
-        jax.jit(fn),
-        platforms=["cuda"],
-        disabled_checks=[export.DisabledSafetyCheck.custom_call(TRITON_CALL)],
-    )(*args)
+    exported = export_for_cuda(fn, *args)
     context = jax_mlir.make_ir_context()
     triton_dialect.register_dialect(context)
     found = []

@@ -8,7 +8,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax import export
 from reference import (
     ALL,
     assert_close,
@@ -21,10 +20,9 @@ from reference import (
 )
 
 import jaxcsr
+from benchmarks.gpu_sass import TRITON_CALL, export_for_cuda
 from jaxcsr import CSRMatrix
 from jaxcsr.kernels import gpu
-
-TRITON_CALL = "__gpu$xla.gpu.triton"
 
 
 def gpu_matmul(A, x):
@@ -253,21 +251,6 @@ def test_tile_table():
     assert gpu.tile_config(512).block_n == 256  # wider operands take several blocks
 
 
-def _export_cuda(f, *args):
-    """Exports for CUDA without a GPU; newer jax wants an abstract device for that."""
-    checks = [export.DisabledSafetyCheck.custom_call(TRITON_CALL)]
-    try:
-        return export.export(f, platforms=["cuda"], disabled_checks=checks)(*args)
-    except Exception as err:  # pragma: no cover - depends on the jax version
-        if "device" not in str(err).lower():
-            raise
-        from jax.sharding import AbstractDevice, AbstractMesh  # type: ignore[attr-defined]
-
-        mesh = AbstractMesh((1,), ("x",), abstract_device=AbstractDevice("cuda", 1))
-        with jax.sharding.use_abstract_mesh(mesh):
-            return export.export(f, platforms=["cuda"], disabled_checks=checks)(*args)
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_lowers_to_triton_for_cuda(dtype):
     A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0, 4, 4, 4]), num_rows=5, backends=ALL)
@@ -276,10 +259,10 @@ def test_lowers_to_triton_for_cuda(dtype):
     # the backward of a general matrix is the kernel on the planned transpose
     bwd = jax.jit(jax.grad(lambda v: jnp.sum(B.with_data(B.data.astype(v.dtype)) @ v)))
     for f in (fwd, bwd):
-        text = _export_cuda(f, jax.ShapeDtypeStruct((8, 20), dtype)).mlir_module()
+        text = export_for_cuda(f, jax.ShapeDtypeStruct((8, 20), dtype)).mlir_module()
         assert TRITON_CALL in set(re.findall(r"custom_call @([\w$.]+)", text))
     xla_only = jax.jit(lambda v: jaxcsr.matmul(A, v, impl="xla"))
-    text = _export_cuda(xla_only, jax.ShapeDtypeStruct((8, 20), dtype)).mlir_module()
+    text = export_for_cuda(xla_only, jax.ShapeDtypeStruct((8, 20), dtype)).mlir_module()
     assert TRITON_CALL not in text
 
 

@@ -177,7 +177,14 @@ class Lanes:
 jax.tree_util.register_dataclass(
     Lanes,
     data_fields=[
-        "row", "start", "end", "num_short", "chunk_start", "chunk_end", "group_start", "group_end"
+        "row",
+        "start",
+        "end",
+        "num_short",
+        "chunk_start",
+        "chunk_end",
+        "group_start",
+        "group_end",
     ],
     meta_fields=[],
 )
@@ -572,12 +579,20 @@ def spmm(
     partials = jnp.zeros((1, n_features), jnp.float32)  # no long rows possible
     if num_chunks:
         partials = chunk_pass(
-            lanes.chunk_start, lanes.chunk_end, [indices, *values, x], gather=True, slot0=0,
+            lanes.chunk_start,
+            lanes.chunk_end,
+            [indices, *values, x],
+            gather=True,
+            slot0=0,
             aliases={},
         )
     if num_groups:
         partials = chunk_pass(
-            lanes.group_start, lanes.group_end, [partials], gather=False, slot0=num_chunks,
+            lanes.group_start,
+            lanes.group_end,
+            [partials],
+            gather=False,
+            slot0=num_chunks,
             aliases={2: 0},
         )
     return pl.pallas_call(
