@@ -550,7 +550,13 @@ def matmul(
       (Array([4., 3., 2., 0.], dtype=float32), Array([4, 3, 2, 5], dtype=int32))
     """
     if not isinstance(A, CSRMatrix):
-        raise TypeError(f"A must be a jaxcsr.CSRMatrix, got {type(A).__name__}")
+        from jaxcsr.sharding import ShardedCSR
+
+        if isinstance(A, ShardedCSR):
+            if impl is not None or interpret:
+                raise ValueError("impl/interpret: a ShardedCSR runs each block's default")
+            return A.matmul(X, reduce=reduce, return_arg=return_arg)
+        raise TypeError(f"A must be a jaxcsr.CSRMatrix or ShardedCSR, got {type(A).__name__}")
     _check_impl(impl, interpret, A)
     _check_reduce(reduce, return_arg)
     if isinstance(X, CSRMatrix):
@@ -629,11 +635,14 @@ def _divide_by_degree(total: jax.Array, structure: Structure, dtype) -> jax.Arra
 
 def _gpu_lanes_summary(view, n_features: int | None) -> str:
     """How the Triton kernel's plan fills its lanes for one view (plan_info)."""
-    stats = gpu_kernels.lane_stats(np.asarray(view.view_indptr()))
+    indices = None if view.layout.kind == "columns" else np.asarray(view.view_indices())
+    stats = gpu_kernels.lane_stats(np.asarray(view.view_indptr()), indices)
     order = "CSR" if stats.csr_order else "length-sorted"
     text = (
         f": {stats.short_rows} short rows ({order}, lane utilisation "
-        f"{stats.utilisation:.2f}), {stats.long_rows} long rows in {stats.chunks} chunks"
+        f"{stats.utilisation:.2f}, distinct columns per nonzero "
+        f"{stats.distinct_csr if stats.csr_order else stats.distinct_sorted:.2f}), "
+        f"{stats.long_rows} long rows in {stats.chunks} chunks"
     )
     if n_features:
         text += f"; tiles {gpu_kernels.tile_config(n_features)}"

@@ -289,8 +289,16 @@ def structure_from_csr(
     nnz = indices.size
     if nnz == 0 or np.bincount(indices, minlength=n).max() <= 1:
         return _columns_structure(indptr, indices, shape)
-    t_indptr, t_indices, perm = transpose_csr(indptr, indices, shape)
     if np.diff(indptr).max() <= 1:
+        t_indptr, t_indices, _ = transpose_csr(indptr, indices, shape)
         return _columns_structure(t_indptr, t_indices, (n, m)).transpose()
-    layout = Layout(shape, int(nnz), "general")
+    return general_structure(indptr, indices, shape)
+
+
+def general_structure(indptr: np.ndarray, indices: np.ndarray, shape: tuple[int, int]) -> Structure:
+    """The ``"general"`` structure (CSR plus its planned transpose) of any validated CSR,
+    whatever its column or row counts (row blocks of a sharded matrix all take this
+    kind, so that they share one static layout)."""
+    t_indptr, t_indices, perm = transpose_csr(indptr, indices, shape)
+    layout = Layout(shape, int(indices.size), "general")
     return Structure(indptr, indices, None, t_indptr, t_indices, perm, layout)

@@ -241,6 +241,22 @@ def test_lane_order_groups_rows_by_length_unless_csr_order_is_as_good():
     np.testing.assert_array_equal(gpu.plan_lanes(uniform).row, np.arange(256))
 
 
+def test_lane_order_keeps_csr_order_where_rows_share_columns():
+    """Rows of varied length: sorted order fills lanes better, but where consecutive
+    rows gather the same columns, CSR order fetches far fewer distinct ones."""
+    rng = np.random.default_rng(3)
+    lengths = rng.integers(8, 40, 512)
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    shared = np.concatenate([(i // 32) * 40 + np.arange(n) for i, n in enumerate(lengths)])
+    spread = rng.integers(0, 20_000, indptr[-1])
+    local = gpu.lane_stats(indptr, shared)
+    assert local.csr_order and local.distinct_csr < 0.1 < local.distinct_sorted
+    assert local.utilisation_sorted > local.utilisation_csr
+    np.testing.assert_array_equal(gpu.plan_lanes(indptr, shared).row, np.arange(512))
+    assert not gpu.lane_stats(indptr, spread).csr_order
+    assert not gpu.lane_stats(indptr).csr_order  # no column information: no reuse
+
+
 def test_tile_table():
     for (width, itemsize), cfg in gpu.TILE_TABLE.items():
         assert cfg.block_n == width and gpu.GROUP % cfg.block_m == 0

@@ -72,8 +72,8 @@ CHUNK = 64
 GROUP = 32
 """Lanes the host plan groups by length (the widest ``block_m`` of the tile table)."""
 CSR_ORDER_MIN_UTILISATION = 0.9
-"""CSR row order is kept when its lane utilisation is at least this fraction of the
-length-sorted order's (then grouping would gain little and cost column reuse)."""
+"""CSR row order is kept when its useful lane work per gathered column is at least
+this fraction of the length-sorted order's (see :func:`lane_stats`)."""
 
 
 def available() -> bool:
@@ -215,44 +215,95 @@ def _utilisation(lengths: np.ndarray) -> float:
     return float(lengths.sum() / (groups.max(axis=1).sum() * GROUP))
 
 
+REUSE_SAMPLE = 1 << 20
+"""Most nonzeros the column-reuse estimate looks at (whole windows, evenly spread)."""
+
+
+def _distinct_fraction(rows: np.ndarray, indptr: np.ndarray, indices) -> float:
+    """Distinct columns per nonzero over windows of ``GROUP`` consecutive lanes (rows
+    in this order): what a program's gathers could find in cache; 1.0 without
+    ``indices`` (e.g. segment matrices, whose every column is used once)."""
+    lengths = (indptr[1:][rows] - indptr[:-1][rows]).astype(np.int64)
+    total = int(lengths.sum())
+    if indices is None or total == 0:
+        return 1.0
+    stride = -(-total // REUSE_SAMPLE)  # estimate from every stride-th window
+    if stride > 1:
+        keep = (np.arange(rows.size) // GROUP) % stride == 0
+        rows, lengths = rows[keep], lengths[keep]
+        total = int(lengths.sum())
+        if total == 0:
+            return 1.0
+    first = np.repeat(np.cumsum(lengths) - lengths, lengths)
+    positions = np.arange(total) - first + np.repeat(indptr[:-1][rows].astype(np.int64), lengths)
+    window = np.repeat(np.arange(rows.size, dtype=np.int64) // GROUP, lengths)
+    keys = window * (int(np.max(indices, initial=0)) + 1) + np.asarray(indices)[positions]
+    return float(np.unique(keys).size / total)
+
+
 @dataclasses.dataclass(frozen=True)
 class LaneStats:
     """How well a plan fills its lanes (host-side report, not part of the plan).
 
     Attributes:
-      short_rows / long_rows / chunks: lane counts of the two passes.
+      short_rows / long_rows / chunks: lane counts of the passes.
       csr_order: whether short rows keep CSR order (else sorted by length).
       utilisation: useful / issued nonzero slots of the short-row lanes, in groups
-        of :data:`GROUP` lanes (1.0: every lane of a group is as long as the longest).
+        of :data:`GROUP` lanes (1.0: every lane of a group is as long as the longest),
+        for CSR order and for length order.
+      distinct: distinct columns per nonzero in those groups, for both orders (lower:
+        more column reuse within a program).
     """
 
     short_rows: int
     long_rows: int
     chunks: int
     csr_order: bool
-    utilisation: float
+    utilisation_csr: float
+    utilisation_sorted: float
+    distinct_csr: float
+    distinct_sorted: float
+
+    @property
+    def utilisation(self) -> float:
+        """Lane utilisation of the order the plan uses."""
+        return self.utilisation_csr if self.csr_order else self.utilisation_sorted
 
 
-def _short_row_order(lengths: np.ndarray) -> tuple[np.ndarray, bool, float]:
-    """Order of the short rows (indices into ``lengths``), whether CSR, utilisation."""
-    by_length = np.argsort(lengths, kind="stable")
-    csr_util, sorted_util = _utilisation(lengths), _utilisation(lengths[by_length])
-    if csr_util >= CSR_ORDER_MIN_UTILISATION * sorted_util:
-        return np.arange(lengths.size), True, csr_util
-    return by_length, False, sorted_util
+def _short_row_order(indptr, indices, short_rows) -> tuple[np.ndarray, tuple]:
+    """Lane order of the short rows and the numbers behind the choice.
+
+    Rows go by length (stable) unless CSR order does at least
+    :data:`CSR_ORDER_MIN_UTILISATION` as much useful work per gathered byte:
+    ``utilisation / distinct`` (lane work that is not wasted, over the columns a
+    program fetches). Returns ``(rows, (csr_order, util_csr, util_sorted,
+    distinct_csr, distinct_sorted))``.
+    """
+    lengths = (indptr[1:][short_rows] - indptr[:-1][short_rows]).astype(np.int64)
+    by_length = short_rows[np.argsort(lengths, kind="stable")]
+    util_csr = _utilisation(lengths)
+    util_sorted = _utilisation(np.sort(lengths, kind="stable"))
+    distinct_csr = _distinct_fraction(short_rows, indptr, indices)
+    distinct_sorted = _distinct_fraction(by_length, indptr, indices)
+    csr = util_csr / distinct_csr >= CSR_ORDER_MIN_UTILISATION * util_sorted / distinct_sorted
+    numbers = (bool(csr), util_csr, util_sorted, distinct_csr, distinct_sorted)
+    return (short_rows if csr else by_length), numbers
 
 
-def lane_stats(indptr: np.ndarray) -> LaneStats:
-    """:class:`LaneStats` of :func:`plan_lanes` for this row pointer."""
-    lengths = np.diff(np.asarray(indptr)).astype(np.int64)
+def lane_stats(indptr: np.ndarray, indices=None) -> LaneStats:
+    """:class:`LaneStats` of :func:`plan_lanes` for this CSR structure."""
+    indptr = np.asarray(indptr)
+    lengths = np.diff(indptr).astype(np.int64)
     is_long = lengths > CHUNK
-    _, csr_order, util = _short_row_order(lengths[~is_long])
+    _, numbers = _short_row_order(indptr, indices, np.flatnonzero(~is_long))
     chunks = int((-(-lengths[is_long] // CHUNK)).sum())
-    return LaneStats(int((~is_long).sum()), int(is_long.sum()), chunks, csr_order, util)
+    return LaneStats(int((~is_long).sum()), int(is_long.sum()), chunks, *numbers)
 
 
-def plan_lanes(indptr: np.ndarray) -> Lanes:
-    """Plans both passes for a CSR row pointer (host, once)."""
+def plan_lanes(indptr: np.ndarray, indices=None) -> Lanes:
+    """Plans the passes for a CSR structure (host, once); ``indices`` (column indices)
+    only inform the lane order (column reuse), ``None`` when every column is used once.
+    """
     indptr = np.asarray(indptr)
     itype = indptr.dtype
     m = indptr.size - 1
@@ -286,7 +337,7 @@ def plan_lanes(indptr: np.ndarray) -> Lanes:
     long_end = np.where(groups > 0, group_slot_end, partial_end)
 
     # Pass 2: short rows in CSR order or by length, then long rows.
-    short_rows = short_rows[_short_row_order(lengths[short_rows])[0]]
+    short_rows, _ = _short_row_order(indptr, indices, short_rows)
     row = np.concatenate([short_rows, long_rows])
     start = np.concatenate([indptr[:-1][short_rows], long_start])
     end = np.concatenate([indptr[1:][short_rows], long_end])
@@ -329,8 +380,9 @@ jax.tree_util.register_dataclass(GpuPlan, data_fields=["lanes", "t_lanes"], meta
 def plan(structure: Structure) -> GpuPlan:
     """The host plan for a host :class:`~jaxcsr.structure.Structure` (numpy leaves)."""
     indptr, t_indptr = structure.kernel_indptrs()
-    t_lanes = None if t_indptr is None else plan_lanes(t_indptr)
-    return GpuPlan(plan_lanes(indptr), t_lanes)
+    if t_indptr is None:  # "columns": one entry per column, so no column is reused
+        return GpuPlan(plan_lanes(indptr), None)
+    return GpuPlan(plan_lanes(indptr, structure.indices), plan_lanes(t_indptr, structure.t_indices))
 
 
 def product(
