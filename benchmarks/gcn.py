@@ -28,6 +28,7 @@ import numpy as np
 import scipy.sparse as sp
 from jax.experimental import sparse as jsparse
 
+import jaxcsr
 from benchmarks.datasets import DATA_DIR, load_graph
 from jaxcsr import CSRMatrix
 
@@ -60,13 +61,18 @@ def load_cora(path: Path = DATA_DIR / "cora.npz") -> Cora:
     return Cora(features, adjacency, labels.astype(np.int32), train, val, test)
 
 
-AGGREGATORS = ("jaxcsr", "segment_sum", "bcsr")
+AGGREGATORS = ("jaxcsr", "segment_sum", "bcsr", "jaxcsr_sharded")
 
 
 def aggregator(name: str, adj: sp.csr_array) -> tuple[Any, Callable[[Any, jax.Array], jax.Array]]:
     """``(operand, apply)`` with ``apply(operand, h) == adj @ h`` for one system."""
     if name == "jaxcsr":
         return CSRMatrix.from_scipy(adj), lambda A, h: A @ h
+    if name == "jaxcsr_sharded":  # rows over every device (Auto axes: jit places the rest)
+        from jax.sharding import AxisType
+
+        mesh = jax.make_mesh((jax.device_count(),), ("d",), axis_types=(AxisType.Auto,))
+        return jaxcsr.shard(CSRMatrix.from_scipy(adj), mesh, "d"), lambda S, h: S @ h
     if name == "segment_sum":
         coo = adj.tocoo()
         arrays = (jnp.asarray(coo.row), jnp.asarray(coo.col), jnp.asarray(coo.data))
@@ -78,7 +84,7 @@ def aggregator(name: str, adj: sp.csr_array) -> tuple[Any, Callable[[Any, jax.Ar
         return arrays, apply
     if name == "bcsr":
         return jsparse.BCSR.from_scipy_sparse(adj), lambda A, h: A @ h
-    raise ValueError(f"aggregator must be jaxcsr, segment_sum or bcsr, got {name!r}")
+    raise ValueError(f"aggregator must be one of {AGGREGATORS}, got {name!r}")
 
 
 def init_params(key: jax.Array, n_in: int, n_out: int) -> dict[str, jax.Array]:

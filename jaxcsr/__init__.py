@@ -21,6 +21,7 @@ from jaxcsr.segment import (
     segment_softmax,
     segment_sum,
 )
+from jaxcsr.sharding import ShardedCSR, shard
 
 __version__ = "0.2.0"
 
@@ -30,6 +31,7 @@ __all__ = [
     "REDUCTIONS",
     "CSRMatrix",
     "PlanInfo",
+    "ShardedCSR",
     "__version__",
     "matmul",
     "segment_log_softmax",
@@ -40,4 +42,5 @@ __all__ = [
     "segment_min",
     "segment_softmax",
     "segment_sum",
+    "shard",
 ]

@@ -1,0 +1,520 @@
+"""Row-sharded products over a ``jax.sharding.Mesh`` with ``shard_map``.
+
+:func:`shard` splits a :class:`~jaxcsr.matrix.CSRMatrix` into contiguous row blocks,
+one per device along a mesh axis, balanced by nonzeros (planned on the host, once).
+Each block is an ordinary matrix of the same static layout -- padded to equal rows
+(plus one trash row that absorbs padding entries) and equal nonzeros -- so every
+device runs the backend's normal kernel on its block inside one ``shard_map``.
+
+Two forms:
+
+* **SpMM** (any matrix but ``from_indices``): ``x`` holds one row per column of ``A``
+  (node features). It is gathered to every device (all-gather; its transpose, a
+  reduce-scatter, is what JAX derives for the gradient).
+* **Segment** (``from_indices``: one entry per column, columns are per-edge values):
+  each device holds only its own edges. ``S``'s columns are the edges *laid out*
+  shard by shard (``S.input_order``; padding slots are empty columns), and values in
+  that layout, sharded as ``S.input_sharding``, need no communication at all.
+
+The result has exactly ``A``'s rows, sharded evenly along the axis (JAX's layout).
+Row blocks balanced by nonzeros are not the even row split, so each device sends the
+rows it computed for another device's part with ``ppermute`` (a halo between
+neighbours, ``S.communication`` counts it). ``balance="rows"`` uses the even row split
+itself: no relayout, no communication in the segment form, but the nonzeros may be
+unbalanced (``S.imbalance``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from jaxcsr import plan
+from jaxcsr.matrix import CSRMatrix, matmul
+
+__all__ = ["ShardedCSR", "balanced_row_blocks", "shard"]
+
+BALANCES = ("nnz", "rows")
+
+
+def balanced_row_blocks(lengths: np.ndarray, parts: int) -> np.ndarray:
+    """Row starts ``(parts + 1,)`` of contiguous blocks minimising the largest block's
+    nonzeros (rows stay whole; binary search on the capacity, greedy fill)."""
+    lengths = np.asarray(lengths, np.int64)
+    m = lengths.size
+    cum = np.concatenate([[0], np.cumsum(lengths)])
+
+    def fill(capacity):
+        starts = [0]
+        for _ in range(parts):
+            lo = starts[-1]
+            starts.append(int(np.searchsorted(cum, cum[lo] + capacity, side="right")) - 1)
+            if starts[-1] == lo and lo < m:  # a row longer than the capacity
+                return None
+        return np.array(starts) if starts[-1] >= m else None
+
+    lo, hi = int(lengths.max(initial=0)), int(cum[-1])
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if fill(mid) is None:
+            lo = mid + 1
+        else:
+            hi = mid
+    starts = fill(lo)
+    return np.minimum(starts, m)
+
+
+def _even_row_blocks(m: int, parts: int) -> np.ndarray:
+    rows = _rows_per_part(m, parts)
+    return np.minimum(np.arange(parts + 1) * rows, m)
+
+
+def _rows_per_part(m: int, parts: int) -> int:
+    """Rows per device of the output's even split (JAX's layout of ``(m, ...)``)."""
+    return max(1, -(-m // parts))
+
+
+@dataclasses.dataclass(frozen=True)
+class _Plan:
+    """Static description of a sharded matrix (hashable: part of the pytree)."""
+
+    mesh: Any
+    axis: str
+    shape: tuple[int, int]
+    form: str  # "segment" or "spmm"
+    balance: str
+    row_starts: tuple[int, ...]
+    block_nnz: tuple[int, ...]
+    block_rows: int  # rows per block, without the trash row
+    block_cols: int  # columns per block: K_b (segment) or n (spmm)
+    shifts: tuple[int, ...]  # device offsets of the output relayout (0: local)
+    aligned: bool  # blocks are the even row split: no relayout
+    index_tree: Any
+    has_data: bool
+
+
+class _HostLayout:
+    """Host permutations of a sharded matrix (compared by identity in the pytree)."""
+
+    def __init__(self, input_order: np.ndarray, data_order: np.ndarray):
+        self.input_order = input_order
+        self.data_order = data_order
+
+
+@jax.tree_util.register_pytree_node_class
+class ShardedCSR:
+    """A :class:`~jaxcsr.matrix.CSRMatrix` split into row blocks over a mesh axis.
+
+    Build it with :func:`shard`. ``S @ x`` (or ``jaxcsr.matmul(S, x, reduce=...,
+    return_arg=...)``) equals ``A @ x`` row for row, sharded along the axis, inside or
+    outside ``jax.jit``, differentiable w.r.t. ``x`` and the values.
+    """
+
+    def __init__(self, index_leaves, data, send, recv, plan_: _Plan, host: _HostLayout):
+        self._index_leaves = tuple(index_leaves)
+        self._data = data
+        self._send = send
+        self._recv = recv
+        self._plan = plan_
+        self._host = host
+
+    # ------------------------------------------------------------------ pytree
+    def tree_flatten(self):
+        children = (self._index_leaves, self._data, self._send, self._recv)
+        return children, (self._plan, self._host)
+
+    @classmethod
+    def tree_unflatten(cls, aux, children):
+        leaves, data, send, recv = children
+        return cls(leaves, data, send, recv, *aux)
+
+    # -------------------------------------------------------------- properties
+    @property
+    def shape(self) -> tuple[int, int]:
+        """``(m, columns)``: ``A``'s rows; ``A``'s columns (SpMM form) or the laid-out
+        edges ``shards * block columns`` (segment form)."""
+        return self._plan.shape
+
+    @property
+    def mesh(self):
+        return self._plan.mesh
+
+    @property
+    def axis(self) -> str:
+        return self._plan.axis
+
+    @property
+    def num_shards(self) -> int:
+        return len(self._plan.row_starts) - 1
+
+    @property
+    def form(self) -> str:
+        """``"segment"`` (``from_indices``) or ``"spmm"``."""
+        return self._plan.form
+
+    @property
+    def row_starts(self) -> tuple[int, ...]:
+        """First row of each device's block (and ``m``)."""
+        return self._plan.row_starts
+
+    @property
+    def block_nnz(self) -> tuple[int, ...]:
+        """Nonzeros of each device's block."""
+        return self._plan.block_nnz
+
+    @property
+    def imbalance(self) -> float:
+        """``max / mean`` nonzeros per shard (1.0: perfect; 1.0 for an empty matrix)."""
+        nnz = np.array(self._plan.block_nnz, np.float64)
+        return float(nnz.max() / nnz.mean()) if nnz.sum() else 1.0
+
+    @property
+    def data(self) -> jax.Array | None:
+        """Values laid out shard by shard ``(shape[1] or shards * block nnz,)``, or None."""
+        return self._data
+
+    @property
+    def input_sharding(self) -> NamedSharding:
+        """How the segment form's per-edge values (first axis ``shape[1]``) and
+        :attr:`data` are laid out: split along the axis, each shard's contiguous."""
+        return NamedSharding(self.mesh, P(self.axis))
+
+    @property
+    def output_sharding(self) -> NamedSharding:
+        """The product's layout: rows split evenly along the axis."""
+        return NamedSharding(self.mesh, P(self.axis))
+
+    @property
+    def input_order(self) -> np.ndarray:
+        """Segment form: for each laid-out column, the input position (``idx`` index)
+        of its edge, ``-1`` for padding. Put per-edge arrays in this order once, on
+        the host (:meth:`layout_values`)."""
+        return self._host.input_order
+
+    @property
+    def data_order(self) -> np.ndarray:
+        """For each laid-out value, its position in ``A.data`` (``-1``: padding)."""
+        return self._host.data_order
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedCSR(shape={self.shape}, form={self.form!r}, shards={self.num_shards} "
+            f"along {self.axis!r}, balance={self._plan.balance!r}, nnz per shard "
+            f"{list(self.block_nnz)}, imbalance {self.imbalance:.3f})"
+        )
+
+    # ------------------------------------------------------------------ layout
+    def layout_values(self, values: Any) -> jax.Array:
+        """Per-edge values in input order ``(K, ...)`` -> laid out ``(shape[1], ...)``
+        (zeros in padding slots), placed as :attr:`input_sharding`. Host-side, once."""
+        if self.form != "segment":
+            raise ValueError("layout_values is for the segment form (from_indices)")
+        return self._lay_out(values, self.input_order, "values")
+
+    def layout_data(self, data: Any) -> jax.Array:
+        """``A.data``-ordered values ``(nnz,)`` -> :attr:`data`'s layout, placed."""
+        return self._lay_out(data, self.data_order, "data")
+
+    def _lay_out(self, values, order, name):
+        values = np.asarray(values)
+        expected = int((order >= 0).sum())
+        if values.ndim == 0 or values.shape[0] != expected:
+            raise ValueError(f"{name} must have {expected} rows, got shape {values.shape}")
+        out = np.zeros((order.size, *values.shape[1:]), values.dtype)
+        out[order >= 0] = values[order[order >= 0]]
+        return jax.device_put(out, self.input_sharding)
+
+    def with_data(self, data: Any) -> ShardedCSR:
+        """Same structure, new laid-out values ``(len(S.data_order),)`` (may be traced)."""
+        data = jnp.asarray(data)
+        size = len(self.data_order)
+        if data.shape != (size,):
+            raise ValueError(f"data must have shape ({size},) (laid out), got {data.shape}")
+        plan_ = dataclasses.replace(self._plan, has_data=True)
+        return ShardedCSR(self._index_leaves, data, self._send, self._recv, plan_, self._host)
+
+    # ------------------------------------------------------------- products
+    def __matmul__(self, x: Any) -> jax.Array:
+        return self.matmul(x)
+
+    def matmul(self, x: Any, *, reduce: str = "sum", return_arg: bool = False):
+        """``A @ x`` with ``reduce`` (see :func:`jaxcsr.matmul`), row-sharded."""
+        x = jnp.asarray(x)
+        if x.ndim == 0 or x.shape[0] != self.shape[1]:
+            raise ValueError(f"x.shape[0] must equal S.shape[1] = {self.shape[1]}, got {x.shape}")
+        return _sharded_product(self, x, reduce, bool(return_arg))
+
+    def communication(self, n_features: int, dtype: Any = jnp.float32) -> dict[str, int]:
+        """Bytes one device sends per product (forward; the backward moves the same
+        amounts the other way): ``gather_x`` (SpMM: its share of the all-gather of
+        ``x`` when ``x`` is sharded, 0 when replicated) and ``relayout`` (rows of its
+        block that belong to another device's part of the output)."""
+        itemsize = np.dtype(dtype).itemsize
+        shards, (m, n) = self.num_shards, self.shape
+        gather = 0 if self.form == "segment" else (shards - 1) * -(-n // shards)
+        rows = _relayout_rows(self._plan.row_starts, m)
+        return {
+            "gather_x": gather * n_features * itemsize,
+            "relayout": int(rows.max(initial=0)) * n_features * itemsize,
+        }
+
+
+def _relayout_rows(row_starts, m) -> np.ndarray:
+    """Rows each device computes for another device's part of the output."""
+    shards = len(row_starts) - 1
+    rows = _rows_per_part(m, shards)
+    moved = np.zeros(shards, np.int64)
+    for p in range(shards):
+        lo, hi = row_starts[p], row_starts[p + 1]
+        own = max(0, min(hi, (p + 1) * rows) - max(lo, p * rows))
+        moved[p] = (hi - lo) - own
+    return moved
+
+
+# --------------------------------------------------------------------- planning
+def shard(
+    A: CSRMatrix, mesh, axis: str, *, balance: str = "nnz", form: str | None = None
+) -> ShardedCSR:
+    """Splits ``A``'s rows over mesh axis ``axis`` (host planning, once).
+
+    Args:
+      A: any :class:`~jaxcsr.matrix.CSRMatrix` (concrete, not traced).
+      mesh: a ``jax.sharding.Mesh``.
+      axis: the mesh axis name to split rows over.
+      balance: ``"nnz"`` (default: contiguous row blocks minimising the largest
+        block's nonzeros; rows stay whole, so one row with a large share of the
+        nonzeros bounds the balance) or ``"rows"`` (the output's even row split: no
+        relayout of the result, possibly unbalanced work).
+      form: ``"segment"`` or ``"spmm"``; default: ``"segment"`` for
+        :meth:`~jaxcsr.CSRMatrix.from_indices` matrices, else ``"spmm"``.
+        ``"segment"`` takes any matrix with at most one entry per column; ``"spmm"``
+        forces the gathered-``x`` form (``S.shape == A.shape``).
+
+    Returns:
+      A :class:`ShardedCSR`; each device holds only its block (and the block plans of
+      ``A``'s backends).
+    """
+    if not isinstance(A, CSRMatrix):
+        raise TypeError(f"A must be a jaxcsr.CSRMatrix, got {type(A).__name__}")
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    if form not in (None, "segment", "spmm"):
+        raise ValueError(f"form must be None, 'segment' or 'spmm', got {form!r}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    shards = int(mesh.shape[axis])
+    m, n = A.shape
+    indptr = np.asarray(A.indptr).astype(np.int64)
+    lengths = np.diff(indptr)
+    if balance == "nnz":
+        starts = balanced_row_blocks(lengths, shards)
+    else:
+        starts = _even_row_blocks(m, shards)
+    block_nnz = indptr[starts[1:]] - indptr[starts[:-1]]
+    block_rows = int(np.diff(starts).max(initial=0))
+    k_b = int(block_nnz.max(initial=0))
+    from_indices = A._input_order_is_columns and A.structure.one_per_column
+    segment = from_indices if form is None else form == "segment"
+    if segment and not A.structure.one_per_column:
+        raise ValueError("form='segment' needs at most one entry per column (from_indices)")
+    data = None if A.data is None else np.asarray(A.data)
+    blocks, data_order = [], np.full((shards, k_b), -1, np.int64)
+    for p in range(shards):
+        lo, hi = int(indptr[starts[p]]), int(indptr[starts[p + 1]])
+        data_order[p, : hi - lo] = np.arange(lo, hi)
+        # the block's rows, empty rows up to block_rows, then the trash row that
+        # holds the padding entries
+        own = indptr[starts[p] : starts[p + 1] + 1] - lo
+        empty = np.full(block_rows - (starts[p + 1] - starts[p]), hi - lo)
+        local_indptr = np.concatenate([own, empty, [k_b]])
+        if segment:
+            ids = np.repeat(np.arange(block_rows + 1), np.diff(local_indptr))
+            blocks.append(CSRMatrix.from_indices(ids, block_rows + 1, backends=A.backends).index)
+        else:
+            cols = np.zeros(k_b, np.int64)
+            cols[: hi - lo] = np.asarray(A.indices)[lo:hi]
+            structure = plan.general_structure(
+                local_indptr.astype(np.int32), cols.astype(np.int32), (block_rows + 1, n)
+            )
+            blocks.append(CSRMatrix._planned(structure, None, A.backends).index)
+    trees = {jax.tree_util.tree_structure(b) for b in blocks}
+    assert len(trees) == 1, "row blocks must share one static layout"
+    sharding = NamedSharding(mesh, P(axis))
+    leaves = [
+        jax.device_put(np.stack([np.asarray(x) for x in parts]), sharding)
+        for parts in zip(*(jax.tree_util.tree_leaves(b) for b in blocks), strict=True)
+    ]
+    if segment:
+        # a column of a one-per-column matrix is its entry's input position
+        columns_of = np.asarray(A.indices).astype(np.int64)
+        input_order = np.where(data_order >= 0, columns_of[np.maximum(data_order, 0)], -1).ravel()
+        columns = shards * k_b
+    else:
+        input_order = np.full(shards * k_b, -1, np.int64)
+        columns = n
+    laid_data = None
+    if data is not None:
+        padded = np.where(data_order >= 0, data[np.maximum(data_order, 0)], 0).ravel()
+        laid_data = jax.device_put(padded.astype(data.dtype), sharding)
+    send, recv, shifts, aligned = _relayout_plan(starts, m, block_rows, shards)
+    plan_ = _Plan(
+        mesh=mesh,
+        axis=axis,
+        shape=(m, columns),
+        form="segment" if segment else "spmm",
+        balance=balance,
+        row_starts=tuple(int(s) for s in starts),
+        block_nnz=tuple(int(k) for k in block_nnz),
+        block_rows=block_rows,
+        block_cols=k_b if segment else n,
+        shifts=shifts,
+        aligned=aligned,
+        index_tree=trees.pop(),
+        has_data=data is not None,
+    )
+    if not aligned:
+        send, recv = jax.device_put(send, sharding), jax.device_put(recv, sharding)
+    else:
+        send = recv = None
+    host = _HostLayout(input_order, data_order.ravel())
+    return ShardedCSR(leaves, laid_data, send, recv, plan_, host)
+
+
+def _relayout_plan(starts, m, block_rows, shards):
+    """Which block rows go to which device's part of the even split, per shift.
+
+    Returns ``(send (P, D, W), recv (P, D, W), shifts, aligned)``: for shift ``d``,
+    device ``p`` sends block rows ``send[p, i]`` (``block_rows``: the trash row, for
+    padding) to device ``p + d``, which writes them at ``recv[p + d, i]`` (``rows``:
+    dropped).
+    """
+    rows = _rows_per_part(m, shards)
+    pairs = {}
+    for p in range(shards):
+        for q in range(shards):
+            lo = max(starts[p], q * rows)
+            hi = min(starts[p + 1], (q + 1) * rows, m)
+            if hi > lo:
+                pairs[(p, q)] = (lo, hi)
+    shifts = tuple(sorted({q - p for p, q in pairs} | {0}))
+    aligned = (
+        shifts == (0,)
+        and block_rows == rows
+        and all(pairs.get((p, p), (0, 0))[0] == starts[p] for p in range(shards))
+    )
+    width = max([hi - lo for lo, hi in pairs.values()], default=1)
+    send = np.full((shards, len(shifts), width), block_rows, np.int32)
+    recv = np.full((shards, len(shifts), width), rows, np.int32)
+    for (p, q), (lo, hi) in pairs.items():
+        i = shifts.index(q - p)
+        send[p, i, : hi - lo] = np.arange(lo, hi) - starts[p]
+        recv[q, i, : hi - lo] = np.arange(lo, hi) - q * rows
+    return send, recv, shifts, aligned
+
+
+# ---------------------------------------------------------------------- product
+def _place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    """``x`` in ``sharding`` (``reshard`` on explicit mesh axes, a constraint else)."""
+    if _explicit(sharding.mesh):
+        return jax.sharding.reshard(x, sharding)
+    return lax.with_sharding_constraint(x, sharding)
+
+
+def _sharded_product(S: ShardedCSR, x: jax.Array, reduce: str, return_arg: bool):
+    pl_ = S._plan
+    x_spec = P(pl_.axis) if pl_.form == "segment" else P()
+    operands = [_place(x, NamedSharding(pl_.mesh, x_spec)), *S._index_leaves]
+    if S._data is not None:  # new values (with_data) may come in any layout
+        operands.append(_place(S._data, NamedSharding(pl_.mesh, P(pl_.axis))))
+    if not pl_.aligned:
+        operands += [S._send, S._recv]
+    return _sharded_function(pl_, reduce, return_arg)(*operands)
+
+
+@functools.lru_cache(maxsize=256)
+def _sharded_function(pl_: _Plan, reduce: str, return_arg: bool):
+    """The jitted ``shard_map`` of one plan and reduction (cached: eager calls compile
+    once; inside an outer ``jit`` it is inlined)."""
+    axis = pl_.axis
+    shards, (m, _) = len(pl_.row_starts) - 1, pl_.shape
+    specs = [P(axis) if pl_.form == "segment" else P()]
+    specs += [P(axis)] * pl_.index_tree.num_leaves
+    specs += [P(axis)] * pl_.has_data + [P(axis), P(axis)] * (not pl_.aligned)
+    body = functools.partial(
+        _block_product,
+        plan_=pl_,
+        rows=_rows_per_part(m, shards),
+        reduce=reduce,
+        return_arg=return_arg,
+    )
+    out_specs = (P(axis), P(axis)) if return_arg else P(axis)
+    mapped = jax.shard_map(
+        body, mesh=pl_.mesh, in_specs=tuple(specs), out_specs=out_specs, check_vma=False
+    )
+    trim = functools.partial(_trim, m=m, mesh=pl_.mesh)
+
+    def run(*operands):
+        out = mapped(*operands)
+        return (trim(out[0]), trim(out[1])) if return_arg else trim(out)
+
+    return jax.jit(run)
+
+
+def _trim(out: jax.Array, *, m: int, mesh) -> jax.Array:
+    """The ``m`` real rows of the ``shards * rows`` computed ones.
+
+    Rows split evenly need nothing. Otherwise the result cannot keep a row sharding
+    (JAX shards a dimension only in equal parts): Explicit axes replicate it first
+    (an all-gather), Auto axes let XLA place the slice. Pick ``m`` divisible by the
+    shard count (pad with empty rows) to keep the output sharded.
+    """
+    if out.shape[0] == m:
+        return out
+    if _explicit(mesh):
+        out = jax.sharding.reshard(out, NamedSharding(mesh, P()))
+    return out[:m]
+
+
+def _explicit(mesh) -> bool:
+    return any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()))
+
+
+def _block_product(x, *rest, plan_: _Plan, rows: int, reduce: str, return_arg: bool):
+    rest = list(rest)
+    leaves = [rest.pop(0)[0] for _ in range(plan_.index_tree.num_leaves)]
+    data = rest.pop(0) if plan_.has_data else None
+    send, recv = (rest[0][0], rest[1][0]) if not plan_.aligned else (None, None)
+    index = jax.tree_util.tree_unflatten(plan_.index_tree, leaves)
+    block = CSRMatrix(data, index, None)
+    out = matmul(block, x, reduce=reduce, return_arg=return_arg)
+    if not return_arg:
+        return _relayout(out, send, recv, plan_, rows)
+    out, arg = out
+    k_b = plan_.block_cols
+    if plan_.form == "segment":  # block column j of device p is laid-out column p*K_b + j
+        p = lax.axis_index(plan_.axis)
+        arg = jnp.where(arg < k_b, arg + p * k_b, plan_.shape[1]).astype(arg.dtype)
+    return _relayout(out, send, recv, plan_, rows), _relayout(arg, send, recv, plan_, rows)
+
+
+def _relayout(block_out, send, recv, plan_: _Plan, rows: int):
+    """A block's rows -> this device's part of the even row split (ppermute halo)."""
+    if plan_.aligned:
+        return block_out[:rows]
+    shards = len(plan_.row_starts) - 1
+    out = jnp.zeros((rows, *block_out.shape[1:]), block_out.dtype)
+    for i, shift in enumerate(plan_.shifts):
+        buf = block_out[send[i]]
+        if shift:
+            perm = [(p, p + shift) for p in range(shards) if 0 <= p + shift < shards]
+            buf = lax.ppermute(buf, plan_.axis, perm)
+        out = out.at[recv[i]].set(buf, mode="drop")
+    return out
