@@ -45,9 +45,19 @@ __all__ = ["ShardedCSR", "balanced_row_blocks", "shard"]
 BALANCES = ("nnz", "rows")
 
 
-def balanced_row_blocks(lengths: np.ndarray, parts: int) -> np.ndarray:
-    """Row starts ``(parts + 1,)`` of contiguous blocks minimising the largest block's
-    nonzeros (rows stay whole; binary search on the capacity, greedy fill)."""
+SLACK = 1.02
+"""Largest block allowed, as a multiple of the mean nonzeros per shard (or the
+optimum, if larger): the room used to keep block boundaries near the even row split."""
+
+
+def balanced_row_blocks(lengths: np.ndarray, parts: int, slack: float = SLACK) -> np.ndarray:
+    """Row starts ``(parts + 1,)`` of contiguous blocks balanced by nonzeros.
+
+    The capacity is the optimal largest block (binary search, greedy fill; rows stay
+    whole) or ``slack`` times the mean, whichever is larger. Within it each boundary
+    goes as near the even row split as it can (less of the output to move), keeping
+    the rest of the rows placeable in the remaining blocks.
+    """
     lengths = np.asarray(lengths, np.int64)
     m = lengths.size
     cum = np.concatenate([[0], np.cumsum(lengths)])
@@ -68,8 +78,18 @@ def balanced_row_blocks(lengths: np.ndarray, parts: int) -> np.ndarray:
             lo = mid + 1
         else:
             hi = mid
-    starts = fill(lo)
-    return np.minimum(starts, m)
+    capacity = max(lo, int(slack * cum[-1] / parts))
+    even = _even_row_blocks(m, parts)
+    starts = [0]
+    for p in range(1, parts):
+        upper = int(np.searchsorted(cum, cum[starts[-1]] + capacity, side="right")) - 1
+        lower = int(np.searchsorted(cum, cum[-1] - (parts - p) * capacity, side="left"))
+        starts.append(min(max(int(even[p]), lower, starts[-1]), max(upper, starts[-1])))
+    starts.append(m)
+    starts = np.array(starts)
+    if np.diff(cum[starts]).max(initial=0) > capacity:  # cannot happen; stay safe
+        starts = np.minimum(fill(lo), m)
+    return starts
 
 
 def _even_row_blocks(m: int, parts: int) -> np.ndarray:

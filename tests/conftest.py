@@ -7,6 +7,9 @@ import os
 import numpy as np
 import pytest
 
+# run as a script in its own process (it forces CPU devices before importing jax)
+collect_ignore = ["sharding_checks.py"]
+
 
 @pytest.fixture
 def rng(request) -> np.random.Generator:

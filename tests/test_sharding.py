@@ -48,10 +48,14 @@ def test_balanced_blocks_are_optimal_and_cover_every_row(seed):
     rng = np.random.default_rng(seed)
     lengths = rng.integers(0, 20, rng.integers(1, 9)) * (rng.random(1) < 0.9)
     parts = int(rng.integers(1, 5))
-    starts = balanced_row_blocks(lengths, parts)
-    assert starts[0] == 0 and starts[-1] == len(lengths) and np.all(np.diff(starts) >= 0)
-    sums = [lengths[a:b].sum() for a, b in itertools.pairwise(starts)]
-    assert max(sums) == _brute_force_max(list(lengths), parts)
+    best = _brute_force_max(list(lengths), parts)
+    for slack in (1.0, 1.02, 1.5):
+        starts = balanced_row_blocks(lengths, parts, slack)
+        assert starts[0] == 0 and starts[-1] == len(lengths) and np.all(np.diff(starts) >= 0)
+        sums = [lengths[a:b].sum() for a, b in itertools.pairwise(starts)]
+        assert max(sums) <= max(best, int(slack * lengths.sum() / parts))
+        if slack == 1.0:
+            assert max(sums) == best  # the optimum
 
 
 @pytest.mark.parametrize("name", ["cora", "musae_github", "planetoid_pubmed", "tolokers"])
