@@ -8,18 +8,21 @@ Design (details, tile table and machine-code checks in ``docs/gpu.md``):
   block_n)`` rows of ``x`` with one integer-array indexer, then reduces over
   ``block_k`` in float32 registers. ``block_k`` nonzeros of every lane are in flight
   at once instead of one dependent load per nonzero.
-* **Two passes, no atomics.** Pass 1 reduces the chunks of rows longer than
-  :data:`CHUNK` into float32 *partials* (one row each). Pass 2 writes every output
-  row exactly once, in the result dtype: a short row from its gathered nonzeros, a
-  long row by reducing its partials in a fixed order (one program per long row, the
-  partials tiled over all of its lanes). No zero-initialised output, no aliasing, no
-  padding slice; and since every sum has a fixed order, results are bit-for-bit
-  deterministic run to run for ``sum``, ``max`` and ``min`` alike.
+* **Fixed-order passes, no atomics.** Pass 1 reduces the chunks of rows longer than
+  :data:`CHUNK` into float32 *partials* (one row each); pass 1b reduces the partials
+  of rows with more than :data:`CHUNK` of them in groups of :data:`CHUNK` (same
+  buffer, later slots). Pass 2 writes every output row exactly once, in the result
+  dtype: a short row from its gathered nonzeros, a long row by reducing its partials
+  (one program per long row, the partials tiled over all of its lanes). No
+  zero-initialised output, no output aliasing, no padding slice; and since every sum
+  has a fixed order, results are bit-for-bit deterministic run to run for ``sum``,
+  ``max`` and ``min`` alike.
 * **Host plan** (:func:`plan_lanes`, once per matrix, independent of the feature
   width): short rows are ordered by length so a program's lanes do similar work,
-  unless CSR order wastes little lane work (then consecutive rows, which often share
-  columns, stay together for cache reuse). Array lengths depend only on ``(m, nnz)``:
-  matrices of one shape and nnz share one compilation.
+  unless CSR order does nearly as much useful work per distinct gathered column
+  (consecutive rows that share columns stay together for cache reuse). Array
+  lengths depend only on ``(m, nnz)``: matrices of one shape and nnz share one
+  compilation.
 * ``reduce="max"``/``"min"`` reduce int32 *order keys* (:func:`float_to_key`: float
   bits with the magnitude of negatives flipped, so integer order is float order;
   NaN maps to the winning key), so NaN propagates through any reduction order.
