@@ -11,6 +11,7 @@ Example:
 from jaxcsr.kernels import BACKENDS
 from jaxcsr.matrix import CSRMatrix, PlanInfo, matmul
 from jaxcsr.ops import IMPLS, REDUCTIONS
+from jaxcsr.sddmm import sddmm
 from jaxcsr.segment import (
     segment_log_softmax,
     segment_logsumexp,
@@ -34,6 +35,7 @@ __all__ = [
     "ShardedCSR",
     "__version__",
     "matmul",
+    "sddmm",
     "segment_log_softmax",
     "segment_logsumexp",
     "segment_matrix",
