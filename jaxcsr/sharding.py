@@ -287,15 +287,27 @@ class ShardedCSR:
         }
 
 
-def _relayout_rows(row_starts, m) -> np.ndarray:
-    """Rows each device computes for another device's part of the output."""
+def _overlaps(row_starts, m) -> dict[tuple[int, int], tuple[int, int]]:
+    """``(p, q) -> (lo, hi)``: rows of device ``p``'s block in device ``q``'s part of
+    the output's even row split (non-empty overlaps only)."""
     shards = len(row_starts) - 1
     rows = _rows_per_part(m, shards)
-    moved = np.zeros(shards, np.int64)
+    pairs = {}
     for p in range(shards):
-        lo, hi = row_starts[p], row_starts[p + 1]
-        own = max(0, min(hi, (p + 1) * rows) - max(lo, p * rows))
-        moved[p] = (hi - lo) - own
+        for q in range(shards):
+            lo = max(row_starts[p], q * rows)
+            hi = min(row_starts[p + 1], (q + 1) * rows, m)
+            if hi > lo:
+                pairs[(p, q)] = (lo, hi)
+    return pairs
+
+
+def _relayout_rows(row_starts, m) -> np.ndarray:
+    """Rows each device computes for another device's part of the output."""
+    moved = np.zeros(len(row_starts) - 1, np.int64)
+    for (p, q), (lo, hi) in _overlaps(row_starts, m).items():
+        if p != q:
+            moved[p] += hi - lo
     return moved
 
 
@@ -417,13 +429,7 @@ def _relayout_plan(starts, m, block_rows, shards):
     dropped).
     """
     rows = _rows_per_part(m, shards)
-    pairs = {}
-    for p in range(shards):
-        for q in range(shards):
-            lo = max(starts[p], q * rows)
-            hi = min(starts[p + 1], (q + 1) * rows, m)
-            if hi > lo:
-                pairs[(p, q)] = (lo, hi)
+    pairs = _overlaps(starts, m)
     shifts = tuple(sorted({q - p for p, q in pairs} | {0}))
     aligned = (
         shifts == (0,)

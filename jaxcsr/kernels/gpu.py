@@ -178,18 +178,7 @@ class Lanes:
 
 
 jax.tree_util.register_dataclass(
-    Lanes,
-    data_fields=[
-        "row",
-        "start",
-        "end",
-        "num_short",
-        "chunk_start",
-        "chunk_end",
-        "group_start",
-        "group_end",
-    ],
-    meta_fields=[],
+    Lanes, data_fields=[f.name for f in dataclasses.fields(Lanes)], meta_fields=[]
 )
 
 
@@ -283,9 +272,10 @@ def _short_row_order(indptr, indices, short_rows) -> tuple[np.ndarray, tuple]:
     distinct_csr, distinct_sorted))``.
     """
     lengths = (indptr[1:][short_rows] - indptr[:-1][short_rows]).astype(np.int64)
-    by_length = short_rows[np.argsort(lengths, kind="stable")]
+    order = np.argsort(lengths, kind="stable")
+    by_length = short_rows[order]
     util_csr = _utilisation(lengths)
-    util_sorted = _utilisation(np.sort(lengths, kind="stable"))
+    util_sorted = _utilisation(lengths[order])
     distinct_csr = _distinct_fraction(short_rows, indptr, indices)
     distinct_sorted = _distinct_fraction(by_length, indptr, indices)
     csr = util_csr / distinct_csr >= CSR_ORDER_MIN_UTILISATION * util_sorted / distinct_sorted
@@ -303,6 +293,19 @@ def lane_stats(indptr: np.ndarray, indices=None) -> LaneStats:
     return LaneStats(int((~is_long).sum()), int(is_long.sum()), chunks, *numbers)
 
 
+def _split(starts: np.ndarray, ends: np.ndarray, size: int):
+    """Cuts each range ``starts[i]:ends[i]`` into pieces of at most ``size``, in order.
+
+    Returns ``(piece_start, piece_end, pieces per range)``.
+    """
+    starts, ends = starts.astype(np.int64), ends.astype(np.int64)
+    pieces = -(-(ends - starts) // size)
+    owner = np.repeat(np.arange(starts.size), pieces)
+    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
+    piece_start = starts[owner] + (np.arange(owner.size) - first) * size
+    return piece_start, np.minimum(piece_start + size, ends[owner]), pieces
+
+
 def plan_lanes(indptr: np.ndarray, indices=None) -> Lanes:
     """Plans the passes for a CSR structure (host, once); ``indices`` (column indices)
     only inform the lane order (column reuse), ``None`` when every column is used once.
@@ -317,27 +320,18 @@ def plan_lanes(indptr: np.ndarray, indices=None) -> Lanes:
     long_rows = np.flatnonzero(is_long)
 
     # Pass 1: chunks of long rows, row by row (a row's partials are contiguous).
-    pieces = -(-lengths[long_rows] // CHUNK)
-    owner = np.repeat(np.arange(long_rows.size), pieces)
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    chunk_start = (
-        indptr[:-1].astype(np.int64)[long_rows][owner] + (np.arange(owner.size) - first) * CHUNK
-    )
-    chunk_end = np.minimum(chunk_start + CHUNK, indptr[1:].astype(np.int64)[long_rows][owner])
+    chunk_start, chunk_end, pieces = _split(indptr[:-1][long_rows], indptr[1:][long_rows], CHUNK)
     num_chunks, num_groups, _ = lane_capacities(m, nnz)
 
     # Pass 1b: rows with more than CHUNK partials reduce them CHUNK at a time into
     # group partials, stored after the chunk slots of the same buffer.
     partial_end = np.cumsum(pieces)
     partial_start = partial_end - pieces
-    groups = np.where(pieces > CHUNK, -(-pieces // CHUNK), 0)
-    g_owner = np.repeat(np.arange(long_rows.size), groups)
-    g_first = np.repeat(np.cumsum(groups) - groups, groups)
-    group_start = partial_start[g_owner] + (np.arange(g_owner.size) - g_first) * CHUNK
-    group_end = np.minimum(group_start + CHUNK, partial_end[g_owner])
+    many = pieces > CHUNK
+    group_start, group_end, groups = _split(partial_start[many], partial_end[many], CHUNK)
     group_slot_end = num_chunks + np.cumsum(groups)
-    long_start = np.where(groups > 0, group_slot_end - groups, partial_start)
-    long_end = np.where(groups > 0, group_slot_end, partial_end)
+    long_start, long_end = partial_start.copy(), partial_end.copy()
+    long_start[many], long_end[many] = group_slot_end - groups, group_slot_end
 
     # Pass 2: short rows in CSR order or by length, then long rows.
     short_rows, _ = _short_row_order(indptr, indices, short_rows)
