@@ -8,6 +8,7 @@ Example:
   [[2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
 """
 
+from jaxcsr.softmax import edge_softmax
 from jaxcsr.kernels import BACKENDS
 from jaxcsr.matrix import CSRMatrix, PlanInfo, matmul
 from jaxcsr.ops import IMPLS, REDUCTIONS
@@ -34,6 +35,7 @@ __all__ = [
     "PlanInfo",
     "ShardedCSR",
     "__version__",
+    "edge_softmax",
     "matmul",
     "sddmm",
     "segment_log_softmax",

@@ -179,7 +179,7 @@ def _lowered_impl(
             interpret=interpret,
         )
     elif reduce == "sum":
-        strategy = xla_kernels.choose_strategy(s, on_cpu=platform == "cpu")
+        strategy = xla_kernels.choose_strategy(s, on_cpu=platform == "cpu", width=x.shape[1])
         out = xla_kernels.spmm(x, data, s, strategy=strategy)
     else:
         out = xla_kernels.spmm_extreme(x, data, s, reduce=reduce)

@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcsr import kernels, plan
+from jaxcsr.softmax import softmax_over_rows
 from jaxcsr.matrix import CSRMatrix, matmul
 
 __all__ = [
@@ -274,7 +275,10 @@ def segment_softmax(
     ``out[j] = exp(x[j] - m) / sum_{i in seg(j)} exp(x[i] - m)`` with ``m`` the
     segment's max (numerically stable). 16-bit inputs are computed in float32 and
     cast back. A segment whose logits are all ``-inf`` gives NaN, as
-    ``jax.nn.softmax`` does. Out-of-range ids raise ``ValueError``.
+    ``jax.nn.softmax`` does. Out-of-range ids raise ``ValueError``. Fused as
+    :func:`jaxcsr.edge_softmax` is (one segmented sum forward in the common case, a
+    backward that keeps only the output): the segments are the rows of the planned
+    ``from_indices`` matrix.
 
     Example:
       >>> import numpy as np, jax.numpy as jnp, jaxcsr
@@ -282,9 +286,8 @@ def segment_softmax(
       >>> [round(float(v), 4) for v in out]
       [0.2689, 0.7311, 1.0]
     """
-    A, axis, _, exp, total, _, dtype = _softmax_parts(logits, segment_ids, num_segments, axis, impl)
-    out = exp / matmul(A.T, total, impl=impl)
-    return jnp.moveaxis(out.astype(dtype), 0, axis)
+    A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis, impl)
+    return jnp.moveaxis(softmax_over_rows(x, A, impl, name="logits"), 0, axis)
 
 
 def segment_log_softmax(

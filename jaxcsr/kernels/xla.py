@@ -23,12 +23,20 @@ over the nonzeros ``k`` of row ``i`` and accumulate in float32 for 16-bit floats
 structure classes; :func:`extreme_positions` finds the entry attaining each output
 (the arg output and the gradient of max/min).
 
-Measured on 2 CPU cores (twitter-ego, 81k rows, 2.7M nonzeros, float32; see
-``benchmarks/``): for unsorted segment ids the scatter beats the CSR kernel at
-every feature width tried (16/64/256); when the ids are already sorted the CSR
-kernel streams X in order and beats both; for general matrices the CSR kernel is
-10x or more faster than the gather + segment_sum idiom because XLA's CPU row
-gather is slow.
+Which strategy runs is decided by cost, from crossovers measured on 2 CPU cores
+(float32, ``python -m benchmarks.strategies``; table in ``docs/design.md``):
+
+* jaxlib's CSR kernel is slow for narrow operands -- it costs about as much at
+  ``F = 1..4`` as at ``F = 8`` (tolokers, 1M sorted ids: 17 ms at F = 1 against 4 ms for
+  the scatter). Below :data:`CSR_KERNEL_MIN_WIDTH` features the scatter runs.
+* sorted segment ids: from ``F = 8`` the kernel streams X in order and beats the
+  scatter (tolokers F = 64: 9.2 vs 11.5 ms; twitter-ego 2.7M ids: 17 vs 28 ms).
+* unsorted segment ids: the kernel gathers X's rows in CSR order, so it overtakes
+  the scatter only for wide rows, from :data:`UNSORTED_CSR_KERNEL_MIN_WIDTH`
+  (twitter-ego F = 64: scatter 72 ms, kernel 78 ms).
+* general matrices: the kernel fuses the gather with the row reduction; the gather +
+  ``segment_sum`` idiom is 10x or more slower at every width because XLA:CPU's row
+  gather is slow.
 """
 
 from __future__ import annotations
@@ -59,12 +67,25 @@ _CSR_KERNEL_DTYPES = tuple(
 )
 
 
-def choose_strategy(structure: Structure, *, on_cpu: bool) -> Strategy:
-    """Picks the strategy for a viewed structure (see the module docstring for the data)."""
+CSR_KERNEL_MIN_WIDTH = 8
+"""Narrowest operand (features) for which jaxlib's CPU CSR kernel beats the scatter."""
+UNSORTED_CSR_KERNEL_MIN_WIDTH = 128
+"""... and for unsorted segment ids, whose CSR order gathers X's rows at random."""
+
+
+def choose_strategy(structure: Structure, *, on_cpu: bool, width: int | None = None) -> Strategy:
+    """Picks the strategy for a viewed structure and an operand of ``width`` features.
+
+    ``width=None`` answers for a wide operand (the choice :meth:`CSRMatrix.plan_info`
+    reports). See the module docstring for the measurements behind the thresholds.
+    """
     csr_kernel = on_cpu and HAS_CPU_CSR_KERNEL
-    if structure.sorted_ids and csr_kernel:
-        return "csr_kernel"
+    wide = width is None or width >= CSR_KERNEL_MIN_WIDTH
     if structure.one_per_column:
+        if csr_kernel and structure.sorted_ids and wide:
+            return "csr_kernel"
+        if csr_kernel and (width is not None and width >= UNSORTED_CSR_KERNEL_MIN_WIDTH):
+            return "csr_kernel"
         return "scatter"
     if structure.one_per_row:
         return "gather"

@@ -1,0 +1,208 @@
+"""jaxcsr.edge_softmax and the fused segment_softmax: values and gradients vs float64."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.test_util import check_grads
+from reference import assert_close, power_law_ids, random_csr
+
+import jaxcsr
+from jaxcsr import CSRMatrix
+from jaxcsr import softmax as softmax_module
+
+
+def _rows(A: CSRMatrix) -> np.ndarray:
+    mat = A.to_scipy().tocsr()
+    return np.repeat(np.arange(mat.shape[0]), np.diff(mat.indptr))
+
+
+def _softmax64(scores, rows: np.ndarray, m: int) -> np.ndarray:
+    """Float64 max-shifted softmax of ``scores`` (``(k, ...)``) within each row id."""
+    s = np.asarray(jnp.asarray(scores, jnp.float32), np.float64)
+    peak = np.full((m, *s.shape[1:]), -np.inf)
+    np.maximum.at(peak, rows, s)
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    e = np.exp(s - peak[rows])
+    total = np.zeros_like(peak)
+    np.add.at(total, rows, e)
+    with np.errstate(invalid="ignore"):
+        return e / total[rows]
+
+
+def _softmax_grad64(p: np.ndarray, g, rows: np.ndarray, m: int) -> np.ndarray:
+    g = np.asarray(g, np.float64)
+    inner = np.zeros((m, *p.shape[1:]))
+    np.add.at(inner, rows, p * g)
+    return p * (g - inner[rows])
+
+
+def _matrices(rng):
+    """A hub row, empty rows, duplicates, odd sizes; a from_indices matrix; its transpose."""
+    yield CSRMatrix.from_scipy(random_csr(rng, 37, 29, "power_law"))
+    yield CSRMatrix.from_scipy(random_csr(rng, 31, 23, "empty_rows"))
+    rows, cols = rng.integers(0, 11, 60), rng.integers(0, 7, 60)  # duplicates kept
+    yield CSRMatrix.from_coo(rows, cols, shape=(13, 7))
+    yield CSRMatrix.from_indices(power_law_ids(rng, 41, 19), 19)
+    yield CSRMatrix.from_indices(rng.integers(0, 9, 15), 9).T  # one entry per row
+
+
+def _scores(rng, nnz, heads, spread=3.0):
+    shape = (nnz,) if heads is None else (nnz, heads)
+    return (spread * rng.standard_normal(shape)).astype(np.float32)
+
+
+@pytest.mark.parametrize("heads", [None, 1, 4])
+def test_values_on_every_structure_kind(rng, heads):
+    for A in _matrices(rng):
+        s = _scores(rng, A.nnz, heads)
+        out = jax.jit(jaxcsr.edge_softmax)(A, s)
+        assert out.shape == s.shape and out.dtype == jnp.float32
+        assert_close(out, _softmax64(s, _rows(A), A.shape[0]), np.float32)
+
+
+@pytest.mark.parametrize(
+    "case", ["large", "very_negative_row", "overflow_in_one_row", "neg_inf", "all_neg_inf"]
+)
+def test_fast_and_exact_paths_agree_with_float64(rng, case):
+    """Scores that make the unshifted sums overflow or underflow take the exact path."""
+    A = CSRMatrix.from_scipy(random_csr(rng, 29, 31, "power_law"))
+    rows = _rows(A)
+    s = _scores(rng, A.nnz, 3)
+    hub = np.bincount(rows).argmax()
+    in_hub = rows == hub
+    if case == "large":  # every score above exp's float32 range, still a fine softmax
+        s = s + 120.0
+    elif case == "very_negative_row":  # one row's unshifted sum underflows
+        s[in_hub] -= 95.0
+    elif case == "overflow_in_one_row":
+        s[np.flatnonzero(in_hub)[0]] = 200.0
+    elif case == "neg_inf":  # masked entries get probability 0
+        s[rng.random(A.nnz) < 0.3] = -np.inf
+        s[np.flatnonzero(in_hub)[0]] = 1.0  # the hub row keeps a finite entry
+    else:
+        s[in_hub] = -np.inf
+    out = np.asarray(jax.jit(jaxcsr.edge_softmax)(A, s))
+    want = _softmax64(s, rows, A.shape[0])
+    if case == "all_neg_inf":  # as jax.nn.softmax: NaN for a row of -inf
+        assert np.all(np.isnan(out[in_hub])) and not np.any(np.isnan(out[~in_hub]))
+        out, want = out[~in_hub], want[~in_hub]
+    assert_close(out, want, np.float32)
+    # each row with a finite score sums to 1 (all--inf rows are NaN in both)
+    live = np.unique(rows[~np.isnan(want).any(axis=1)]) if case != "all_neg_inf" else None
+    if live is not None:
+        sums = np.zeros((A.shape[0], 3))
+        np.add.at(sums, rows, np.nan_to_num(out.astype(np.float64)))
+        assert_close(sums[live], np.ones_like(sums[live]), np.float32)
+
+
+def test_unsafe_sums_take_the_exact_branch(rng):
+    """The check that picks the branch: fine scores do not, overflowing ones do."""
+    A = CSRMatrix.from_scipy(random_csr(rng, 17, 19, "uniform"))
+    pattern = softmax_module.rows_pattern(A)
+    s = jnp.asarray(_scores(rng, A.nnz, 2))
+    calls = []
+
+    def spy_exact(x, pattern, impl):
+        calls.append(1)
+        return jnp.full_like(x, -1.0)  # a value the fast branch cannot produce
+
+    original = softmax_module._exact
+    softmax_module._exact = spy_exact
+    try:
+        fine = softmax_module._forward(s, pattern, None)
+        big = softmax_module._forward(s + 100.0, pattern, None)
+    finally:
+        softmax_module._exact = original
+    assert calls  # traced into the cond
+    assert bool(jnp.all(fine >= 0)) and bool(jnp.all(big == -1.0))
+
+
+@pytest.mark.parametrize("heads", [None, 3])
+def test_gradients_against_float64_and_finite_differences(rng, heads):
+    A = CSRMatrix.from_scipy(random_csr(rng, 23, 19, "power_law"))
+    rows, m = _rows(A), A.shape[0]
+    s = _scores(rng, A.nnz, heads, spread=1.0)
+    g = rng.standard_normal(s.shape).astype(np.float32)
+    grad = jax.jit(jax.grad(lambda s: jnp.sum(jaxcsr.edge_softmax(A, s) * g)))(s)
+    p = _softmax64(s, rows, m)
+    assert_close(grad, _softmax_grad64(p, g, rows, m), np.float32)
+    check_grads(
+        lambda s: jaxcsr.edge_softmax(A, s), (jnp.asarray(s),), order=2, modes=["fwd", "rev"],
+        eps=1e-2, atol=5e-2, rtol=5e-2,
+    )
+
+
+def test_gradient_on_the_exact_path(rng):
+    A = CSRMatrix.from_scipy(random_csr(rng, 19, 17, "power_law"))
+    rows, m = _rows(A), A.shape[0]
+    s = _scores(rng, A.nnz, 2) + 150.0  # exp overflows: the exact branch runs
+    g = rng.standard_normal(s.shape).astype(np.float32)
+    grad = jax.grad(lambda s: jnp.sum(jaxcsr.edge_softmax(A, s) * g))(s)
+    assert_close(grad, _softmax_grad64(_softmax64(s, rows, m), g, rows, m), np.float32)
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_16_bit_scores(rng, dtype):
+    A = CSRMatrix.from_scipy(random_csr(rng, 29, 23, "power_law"))
+    s = jnp.asarray(_scores(rng, A.nnz, 2), dtype)
+    out = jaxcsr.edge_softmax(A, s)
+    assert out.dtype == dtype
+    assert_close(out, _softmax64(s, _rows(A), A.shape[0]), dtype)
+
+
+def test_segment_softmax_is_the_fused_edge_softmax(rng):
+    """Input-order logits over unsorted segment ids, heads axis, axis=-1, gradients."""
+    ids = power_law_ids(rng, 57, 13)
+    x = _scores(rng, 57, 3)
+    want = _softmax64(x, ids, 13)
+    assert_close(jaxcsr.segment_softmax(x, ids, 13), want, np.float32)
+    assert_close(jaxcsr.segment_softmax(x.T, ids, 13, axis=-1), want.T, np.float32)
+    A = CSRMatrix.from_indices(ids, 13)
+    in_csr_order = np.asarray(A.input_order)
+    assert_close(jaxcsr.edge_softmax(A, x[in_csr_order]), want[in_csr_order], np.float32)
+    g = rng.standard_normal(x.shape).astype(np.float32)
+    grad = jax.grad(lambda x: jnp.sum(jaxcsr.segment_softmax(x, ids, 13) * g))(x)
+    assert_close(grad, _softmax_grad64(want, g, ids, 13), np.float32)
+
+
+def test_jit_vmap_and_one_compile_per_shape(rng):
+    """Matrices with different degree distributions but equal (shape, nnz, kind) share
+    one compilation, and each gets its own (correct) values."""
+    m, n, nnz = 17, 21, 60
+    hub = np.concatenate([np.zeros(45, int), rng.integers(1, m, 15)])
+    spread = rng.integers(0, m, nnz)
+    mats = [CSRMatrix.from_coo(r, rng.integers(0, n, nnz), shape=(m, n)) for r in (hub, spread)]
+    assert np.bincount(_rows(mats[0])).max() >= 45 > np.bincount(_rows(mats[1])).max()
+    f = jax.jit(lambda A, s: jaxcsr.edge_softmax(A, s))  # a fresh cache
+    for A in mats:
+        s = _scores(rng, nnz, 2)
+        assert_close(f(A, s), _softmax64(s, _rows(A), m), np.float32)
+    assert f._cache_size() == 1
+    batch = np.stack([_scores(rng, nnz, None) for _ in range(4)])
+    out = jax.vmap(jaxcsr.edge_softmax, in_axes=(None, 0))(mats[0], batch)
+    for b in range(4):
+        assert_close(out[b], _softmax64(batch[b], _rows(mats[0]), m), np.float32)
+
+
+def test_empty_matrices():
+    for A in (
+        CSRMatrix.from_scipy(random_csr(np.random.default_rng(0), 5, 4, "empty")),
+        CSRMatrix.from_indices(np.zeros(0, int), 0),
+    ):
+        out = jaxcsr.edge_softmax(A, jnp.zeros((0, 3)))
+        assert out.shape == (0, 3)
+
+
+def test_bad_arguments_are_named(rng):
+    A = CSRMatrix.from_scipy(random_csr(rng, 5, 4, "uniform"))
+    with pytest.raises(TypeError, match="A must be a jaxcsr.CSRMatrix"):
+        jaxcsr.edge_softmax(A.to_scipy(), np.ones(A.nnz))
+    with pytest.raises(TypeError, match="scores must have a floating dtype"):
+        jaxcsr.edge_softmax(A, np.ones(A.nnz, np.int32))
+    with pytest.raises(ValueError, match=r"scores must have shape \(nnz, ...\)"):
+        jaxcsr.edge_softmax(A, np.ones(A.nnz + 1, np.float32))
+    with pytest.raises(ValueError, match=r"scores must have shape \(nnz, ...\)"):
+        jaxcsr.edge_softmax(A, np.float32(1.0))
