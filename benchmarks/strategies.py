@@ -27,14 +27,22 @@ from jaxcsr.kernels import xla as xla_kernels
 def _structures(graph):
     """(label, matrix, strategies that can run it) for one graph."""
     ids = graph.dst
-    yield "segment ids, sorted", CSRMatrix.from_indices(np.sort(ids), graph.num_nodes), (
-        "scatter",
-        "csr_kernel",
-    )
-    if np.any(np.diff(ids) < 0):
-        yield "segment ids, unsorted", CSRMatrix.from_indices(ids, graph.num_nodes), (
+    yield (
+        "segment ids, sorted",
+        CSRMatrix.from_indices(np.sort(ids), graph.num_nodes),
+        (
             "scatter",
             "csr_kernel",
+        ),
+    )
+    if np.any(np.diff(ids) < 0):
+        yield (
+            "segment ids, unsorted",
+            CSRMatrix.from_indices(ids, graph.num_nodes),
+            (
+                "scatter",
+                "csr_kernel",
+            ),
         )
     yield "general (adjacency)", CSRMatrix.from_scipy(graph.adjacency()), ("csr_kernel", "segment")
 
@@ -57,7 +65,7 @@ def run(graphs, widths, repeats: int, max_elements: float) -> list[dict]:
                             x, A.data, A.structure, strategy=strategy
                         )
                     )
-                    timing, _ = measure.time_thunk(lambda fn=fn: fn(x, A), repeats)
+                    timing, _ = measure.time_thunk(lambda fn=fn, x=x, A=A: fn(x, A), repeats)
                     times[strategy] = timing.median_s
                 chosen = xla_kernels.choose_strategy(s, on_cpu=True, width=f)
                 rows.append(

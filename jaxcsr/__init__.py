@@ -8,7 +8,6 @@ Example:
   [[2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
 """
 
-from jaxcsr.softmax import edge_softmax
 from jaxcsr.kernels import BACKENDS
 from jaxcsr.matrix import CSRMatrix, PlanInfo, matmul
 from jaxcsr.ops import IMPLS, REDUCTIONS
@@ -24,6 +23,7 @@ from jaxcsr.segment import (
     segment_sum,
 )
 from jaxcsr.sharding import ShardedCSR, shard
+from jaxcsr.softmax import edge_softmax
 
 __version__ = "0.2.0"
 

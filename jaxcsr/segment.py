@@ -36,8 +36,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcsr import kernels, plan
-from jaxcsr.softmax import softmax_over_rows
 from jaxcsr.matrix import CSRMatrix, matmul
+from jaxcsr.softmax import softmax_over_rows
 
 __all__ = [
     "MODES",

@@ -130,8 +130,13 @@ def test_gradients_against_float64_and_finite_differences(rng, heads):
     p = _softmax64(s, rows, m)
     assert_close(grad, _softmax_grad64(p, g, rows, m), np.float32)
     check_grads(
-        lambda s: jaxcsr.edge_softmax(A, s), (jnp.asarray(s),), order=2, modes=["fwd", "rev"],
-        eps=1e-2, atol=5e-2, rtol=5e-2,
+        lambda s: jaxcsr.edge_softmax(A, s),
+        (jnp.asarray(s),),
+        order=2,
+        modes=["fwd", "rev"],
+        eps=1e-2,
+        atol=5e-2,
+        rtol=5e-2,
     )
 
 
@@ -198,7 +203,7 @@ def test_empty_matrices():
 
 def test_bad_arguments_are_named(rng):
     A = CSRMatrix.from_scipy(random_csr(rng, 5, 4, "uniform"))
-    with pytest.raises(TypeError, match="A must be a jaxcsr.CSRMatrix"):
+    with pytest.raises(TypeError, match=r"A must be a jaxcsr\.CSRMatrix"):
         jaxcsr.edge_softmax(A.to_scipy(), np.ones(A.nnz))
     with pytest.raises(TypeError, match="scores must have a floating dtype"):
         jaxcsr.edge_softmax(A, np.ones(A.nnz, np.int32))
