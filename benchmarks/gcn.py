@@ -120,12 +120,12 @@ def loss_fn(params, apply, operand, x, labels, mask, key):
     return nll + WEIGHT_DECAY * 0.5 * jnp.sum(params["w1"] ** 2)
 
 
-def adam_update(params, grads, state, step):
+def adam_update(params, grads, state, step, lr=LR):
     b1, b2, eps = 0.9, 0.999, 1e-8
     m = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state["m"], grads)
     v = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state["v"], grads)
     t = step + 1
-    scale = LR * jnp.sqrt(1 - b2**t) / (1 - b1**t)
+    scale = lr * jnp.sqrt(1 - b2**t) / (1 - b1**t)
     params = jax.tree.map(lambda p, m, v: p - scale * m / (jnp.sqrt(v) + eps), params, m, v)
     return params, {"m": m, "v": v}
 

@@ -188,8 +188,15 @@ def test_jit_vmap_and_one_compile_per_shape(rng):
     assert f._cache_size() == 1
     batch = np.stack([_scores(rng, nnz, None) for _ in range(4)])
     out = jax.vmap(jaxcsr.edge_softmax, in_axes=(None, 0))(mats[0], batch)
+    rows = _rows(mats[0])
+    g = rng.standard_normal(batch.shape).astype(np.float32)
+    grads = jax.jit(jax.vmap(jax.grad(lambda s, g: jnp.sum(jaxcsr.edge_softmax(mats[0], s) * g))))(
+        batch, g
+    )
     for b in range(4):
-        assert_close(out[b], _softmax64(batch[b], _rows(mats[0]), m), np.float32)
+        p = _softmax64(batch[b], rows, m)
+        assert_close(out[b], p, np.float32)
+        assert_close(grads[b], _softmax_grad64(p, g[b], rows, m), np.float32)
 
 
 def test_empty_matrices():
