@@ -179,6 +179,16 @@ def test_strategy_choice(rng):
     assert choose(gather, on_cpu=True) == "gather"
     assert choose(general, on_cpu=True) == (csr_kernel or "segment")
     assert choose(general, on_cpu=False) == "segment"
+    # by operand width (measured crossovers): the kernel is slow for narrow operands
+    if csr_kernel:
+        assert choose(sorted_ids, on_cpu=True, width=1) == "scatter"
+        assert choose(sorted_ids, on_cpu=True, width=7) == "scatter"
+        assert choose(sorted_ids, on_cpu=True, width=8) == "csr_kernel"
+        assert choose(segment, on_cpu=True, width=64) == "scatter"
+        assert choose(segment, on_cpu=True, width=128) == "csr_kernel"
+        assert choose(general, on_cpu=True, width=7) == "segment"
+        assert choose(general, on_cpu=True, width=8) == "csr_kernel"
+    assert choose(segment, on_cpu=False, width=512) == "scatter"
     # the transposed views swap scatter and gather
     assert choose(segment.transpose(), on_cpu=False) == "gather"
     assert choose(gather.transpose(), on_cpu=False) == "scatter"
@@ -202,3 +212,19 @@ def test_matmul_function_matches_operator(rng):
     x = random_values(rng, (A.shape[1], 2)).astype(np.float32)
     for impl in (None, "xla"):
         assert_close(jaxcsr.matmul(A, x, impl=impl), mat @ x.astype(np.float64), np.float32)
+
+
+@pytest.mark.parametrize("n_features", [1, 2])
+def test_sorted_ids_scatter_in_strided_order(rng, n_features):
+    """Sorted ids, one feature: the scatter takes the updates 16 apart (padded to a
+    multiple of 16; dropped ids and a hub row included) and still sums every one."""
+    m, n = 23, 16 * 40 + 7
+    ids = np.sort(power_law_ids(rng, n, m))
+    x = random_values(rng, (n, n_features)).astype(np.float32)
+    A = CSRMatrix.from_indices(ids, m, backends=["xla"])
+    assert A.structure.sorted_ids
+    assert_close(jax.jit(lambda A, x: A @ x)(A, x), segment_reference(x, ids, m), np.float32)
+    ids_dropped = np.where(rng.random(n) < 0.2, m + 3, ids)  # out of range: left out
+    keep = ids_dropped < m
+    got = jaxcsr.segment_sum(x, ids_dropped, m, mode="drop")
+    assert_close(got, segment_reference(x[keep], ids_dropped[keep], m), np.float32)

@@ -34,9 +34,9 @@ Which strategy runs is decided by cost, from crossovers measured on 2 CPU cores
 * unsorted segment ids: the kernel gathers X's rows in CSR order, so it overtakes
   the scatter only for wide rows, from :data:`UNSORTED_CSR_KERNEL_MIN_WIDTH`
   (twitter-ego F = 64: scatter 72 ms, kernel 78 ms).
-* general matrices: the kernel fuses the gather with the row reduction; the gather +
-  ``segment_sum`` idiom is 10x or more slower at every width because XLA:CPU's row
-  gather is slow.
+* general matrices: from ``F = 8`` the kernel, which fuses the gather with the row
+  reduction, is 4-10x faster than the gather + sorted ``segment_sum`` (``"segment"``);
+  below 8 features ``"segment"`` is 2-3x faster (tolokers F = 1: 6.9 vs 16.7 ms).
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ def choose_strategy(structure: Structure, *, on_cpu: bool, width: int | None = N
         return "scatter"
     if structure.one_per_row:
         return "gather"
-    return "csr_kernel" if csr_kernel else "segment"
+    return "csr_kernel" if csr_kernel and wide else "segment"
 
 
 def spmm(
@@ -125,6 +125,17 @@ def spmm(
         raise ValueError("strategy 'gather' needs a matrix with <= 1 nonzero per row")
     if m == 0 or f == 0 or nnz == 0:
         return jnp.zeros((m, f), acc)
+    if strategy == "gather":
+        # One entry per row: no sum, so X's rows are gathered in their own dtype (no
+        # float32 copy of a 16-bit X); a matrix without empty rows needs no bounds fill.
+        if structure.layout.full:
+            out = x[structure.row_of_col]
+        else:
+            out = x.at[structure.row_of_col].get(mode="fill", fill_value=0)
+        out = out.astype(acc)
+        if data is not None:
+            out = out * structure.row_values(data.astype(acc))[:, None]
+        return out
     x = x.astype(acc)
     if data is not None:
         data = data.astype(acc)
@@ -132,15 +143,7 @@ def spmm(
     if strategy == "scatter":
         if data is not None:
             x = x * structure.column_values(data)[:, None]
-        indices_are_sorted = structure.sorted_ids
-        return jax.ops.segment_sum(
-            x, structure.row_of_col, m, indices_are_sorted=indices_are_sorted, mode="drop"
-        )
-    if strategy == "gather":
-        out = x.at[structure.row_of_col].get(mode="fill", fill_value=0)
-        if data is not None:
-            out = out * structure.row_values(data)[:, None]
-        return out
+        return _scatter_add(x, structure.row_of_col, m, sorted_ids=structure.sorted_ids)
     if strategy == "csr_kernel":
         if acc not in _CSR_KERNEL_DTYPES:
             raise ValueError(f"strategy 'csr_kernel' does not support dtype {acc}")
@@ -151,7 +154,31 @@ def spmm(
     gathered = x[structure.view_indices()]
     if data is not None:
         gathered = gathered * data[:, None]
-    return jax.ops.segment_sum(gathered, structure.row_ids(), m, indices_are_sorted=True)
+    return _scatter_add(gathered, structure.row_ids(), m, sorted_ids=True)
+
+
+INTERLEAVE = 16
+"""Sorted ids, one feature: the scatter takes every ``INTERLEAVE``-th update in turn."""
+
+
+def _scatter_add(x: jax.Array, ids: jax.Array, m: int, *, sorted_ids: bool) -> jax.Array:
+    """``segment_sum(x, ids, m)`` (ids ``>= m`` dropped), for the scatter strategy.
+
+    With sorted ids, consecutive updates read-modify-write the same output row: a
+    dependency chain that XLA:CPU's scatter loop runs at about one update per 3-7 ns
+    whatever the width up to 8. For a single feature the updates are taken in a
+    strided order (``INTERLEAVE`` apart; a transpose of the padded ``(16, n / 16)``
+    view), which breaks the chain: 1M sorted ids, F = 1, 3.5 -> 1.8 ms on tolokers and
+    7.6 -> 4.4 ms on twitter-ego (2 cores). Wider rows pay more for the transpose than
+    they gain (F = 4: slower), so they keep the input order.
+    """
+    n = x.shape[0]
+    if not (sorted_ids and x.shape[1] == 1 and n >= 2 * INTERLEAVE):
+        return jax.ops.segment_sum(x, ids, m, indices_are_sorted=sorted_ids, mode="drop")
+    pad = -n % INTERLEAVE
+    strided = jnp.pad(x[:, 0], (0, pad)).reshape(INTERLEAVE, -1).T.reshape(-1, 1)
+    strided_ids = jnp.pad(ids, (0, pad), constant_values=m).reshape(INTERLEAVE, -1).T.reshape(-1)
+    return jax.ops.segment_sum(strided, strided_ids, m, mode="drop")
 
 
 def sddmm(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> jax.Array:
