@@ -14,9 +14,9 @@ Per graph (``dst`` ids, ``E`` edges, ``V`` nodes) and width ``N`` (heads x featu
     ``jaxcsr.sddmm(A, X, Y)`` against that gather formulation (edge order and CSR
     order), and ``jnp.einsum`` on the gathered rows.
 
-Every output (and gradient) is checked against float64 numpy. Ratios are best JAX peer
-time / jaxcsr time (> 1: jaxcsr faster). Writes ``attention.json`` and
-``attention.md`` to ``--out``.
+Every output (and gradient) is checked against float64 numpy. The systems of a cell
+are timed in turns; ratios are best JAX peer time / jaxcsr time (> 1: jaxcsr faster).
+Writes ``attention.json`` and ``attention.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from pathlib import Path
 
 import jax
@@ -97,14 +98,15 @@ def softmax_cells(graph, widths, repeats, rng) -> list[dict]:
         }
         for pass_ in ("fwd", "fwd+bwd"):
             cell = {"graph": graph.name, "workload": "edge_softmax", "pass": pass_, "N": n}
-            times = {}
-            for name, (f, inp, c, back) in systems.items():
+            thunks = {}
+            for name, (f, inp, c, _) in systems.items():
                 fn = jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f)
                 args = (inp,) if pass_ == "fwd" else (inp, c)
-                # block on every output (the timer only waits for a single array)
-                thunk = lambda fn=fn, args=args: jax.block_until_ready(fn(*args))  # noqa: E731
-                timing, out = measure.time_thunk(thunk, repeats)
-                outputs = [out] if pass_ == "fwd" else list(out)
+                # block on every output (a tuple for fwd+bwd)
+                thunks[name] = lambda fn=fn, args=args: jax.block_until_ready(fn(*args))
+            times, outs = _round_robin(thunks, repeats)
+            for name, (_, _, _, back) in systems.items():
+                outputs = [outs[name]] if pass_ == "fwd" else list(outs[name])
                 for got, expected in zip(outputs, (want, want_grad), strict=False):
                     got = np.asarray(got)
                     if back is not None:  # CSR order -> edge order
@@ -114,7 +116,6 @@ def softmax_cells(graph, widths, repeats, rng) -> list[dict]:
                     err = measure.relative_error(got, expected)
                     if not err <= 1e-5:
                         raise AssertionError(f"{name} {pass_} N={n}: error {err:.2e} vs float64")
-                times[name] = timing.median_s
             if torch is not None and pass_ == "fwd":
                 times["torch"] = _torch_softmax_time(x_host, dst, V, repeats, want)
             rows.append(_finish(cell, times))
@@ -163,20 +164,35 @@ def sddmm_cells(graph, widths, repeats, rng) -> list[dict]:
                 True,
             ),
         }
-        times = {}
-        for name, (fn, csr_order) in systems.items():
-            timing, out = measure.time_thunk(lambda fn=fn, X=X, Y=Y: fn(X, Y), repeats)
-            got = np.asarray(out)
+        thunks = {name: (lambda fn=fn, X=X, Y=Y: fn(X, Y)) for name, (fn, _) in systems.items()}
+        times, outs = _round_robin(thunks, repeats)
+        for name, (_, csr_order) in systems.items():
+            got = np.asarray(outs[name])
             if not csr_order:
                 got = got[order]
             err = measure.relative_error(got, want)
             if not err <= 1e-4:
                 raise AssertionError(f"{name} N={n}: error {err:.2e} vs float64")
-            times[name] = timing.median_s
         cell = {"graph": graph.name, "workload": "sddmm", "pass": "fwd", "N": n}
         rows.append(_finish(cell, times))
         print(_line(rows[-1]), flush=True)
     return rows
+
+
+def _round_robin(thunks: dict, repeats: int) -> tuple[dict, dict]:
+    """Median seconds per thunk, timed in turns (one run of each per round), and each
+    thunk's output. Taking turns spreads this VM's slow spells over every system of a
+    cell instead of whichever ran during one."""
+    outs = {name: thunk() for name, thunk in thunks.items()}  # compile
+    for thunk in thunks.values():  # warm up
+        thunk()
+    samples: dict[str, list] = {name: [] for name in thunks}
+    for _ in range(repeats):
+        for name, thunk in thunks.items():
+            t0 = time.perf_counter()
+            thunk()
+            samples[name].append(time.perf_counter() - t0)
+    return {name: float(np.median(t)) for name, t in samples.items()}, outs
 
 
 def _finish(cell: dict, times: dict) -> dict:

@@ -138,18 +138,32 @@ def _broadcast(per_row: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
     return matmul(pattern.T, per_row, impl=impl)
 
 
+def _elementwise(fn, *arrays: jax.Array) -> jax.Array:
+    """``fn(*arrays)`` for equal-shape ``(n, H)`` arrays; a single column runs 1-D.
+
+    XLA:CPU does not vectorise elementwise loops over a ``(n, 1)`` array: ``exp`` of
+    2.7M floats takes 4.9 ms as ``(n, 1)`` and 1.05 ms as ``(n,)`` (2 cores). XLA
+    folds plain reshapes back into the loop, so the 1-D views sit behind optimization
+    barriers (no copies: the reshapes are bitcasts).
+    """
+    if arrays[0].shape[1] != 1:
+        return fn(*arrays)
+    flat = [jax.lax.optimization_barrier(a.reshape(-1)) for a in arrays]
+    return jax.lax.optimization_barrier(fn(*flat)).reshape(arrays[0].shape)
+
+
 def _exact(x: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
     """Softmax shifted by each row's max (the textbook stable formula)."""
     peak = matmul(pattern, x, reduce="max", impl=impl)
     peak = jnp.where(jnp.isfinite(peak), peak, 0)
-    e = jnp.exp(x - _broadcast(peak, pattern, impl))
-    return e / _broadcast(_row_sums(e, pattern, impl), pattern, impl)
+    e = _elementwise(lambda x, peak: jnp.exp(x - peak), x, _broadcast(peak, pattern, impl))
+    return _elementwise(jnp.divide, e, _broadcast(_row_sums(e, pattern, impl), pattern, impl))
 
 
 def _forward_unbatched(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
     acc = accumulation_dtype(scores.dtype)
     x = scores.astype(acc)
-    e = jnp.exp(x)
+    e = _elementwise(jnp.exp, x)
     total = _row_sums(e, pattern, impl)
     nonempty = (pattern.structure.degrees() > 0)[:, None]
     # NaN sums (NaN scores) compare False: they stay NaN, as the exact formula gives.
@@ -157,7 +171,7 @@ def _forward_unbatched(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array
     out = jax.lax.cond(
         jnp.any(unsafe),
         lambda: _exact(x, pattern, impl),
-        lambda: e * _broadcast(1 / total, pattern, impl),
+        lambda: _elementwise(jnp.multiply, e, _broadcast(1 / total, pattern, impl)),
     )
     return out.astype(scores.dtype)
 
@@ -202,8 +216,9 @@ def _tangent(p: jax.Array, ds: jax.Array, pattern: CSRMatrix, impl) -> jax.Array
     backward) has the same form, so reverse mode keeps only ``p``."""
     acc = accumulation_dtype(p.dtype)
     p, ds = p.astype(acc), ds.astype(acc)
-    pd = p * ds
-    return pd - p * _broadcast(_row_sums(pd, pattern, impl), pattern, impl)
+    pd = _elementwise(jnp.multiply, p, ds)
+    inner = _broadcast(_row_sums(pd, pattern, impl), pattern, impl)
+    return _elementwise(lambda pd, p, inner: pd - p * inner, pd, p, inner)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
