@@ -102,8 +102,7 @@ def softmax_cells(graph, widths, repeats, rng) -> list[dict]:
             for name, (f, inp, c, _) in systems.items():
                 fn = jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f)
                 args = (inp,) if pass_ == "fwd" else (inp, c)
-                # block on every output (a tuple for fwd+bwd)
-                thunks[name] = lambda fn=fn, args=args: jax.block_until_ready(fn(*args))
+                thunks[name] = lambda fn=fn, args=args: fn(*args)
             times, outs = _round_robin(thunks, repeats)
             for name, (_, _, _, back) in systems.items():
                 outputs = [outs[name]] if pass_ == "fwd" else list(outs[name])
@@ -183,14 +182,15 @@ def _round_robin(thunks: dict, repeats: int) -> tuple[dict, dict]:
     """Median seconds per thunk, timed in turns (one run of each per round), and each
     thunk's output. Taking turns spreads this VM's slow spells over every system of a
     cell instead of whichever ran during one."""
-    outs = {name: thunk() for name, thunk in thunks.items()}  # compile
-    for thunk in thunks.values():  # warm up
-        thunk()
+    run = {k: (lambda thunk=thunk: jax.block_until_ready(thunk())) for k, thunk in thunks.items()}
+    outs = {name: fn() for name, fn in run.items()}  # compile
+    for fn in run.values():  # warm up
+        fn()
     samples: dict[str, list] = {name: [] for name in thunks}
     for _ in range(repeats):
-        for name, thunk in thunks.items():
+        for name, fn in run.items():
             t0 = time.perf_counter()
-            thunk()
+            fn()
             samples[name].append(time.perf_counter() - t0)
     return {name: float(np.median(t)) for name, t in samples.items()}, outs
 
