@@ -218,3 +218,31 @@ def test_bad_arguments_are_named(rng):
         jaxcsr.edge_softmax(A, np.ones(A.nnz + 1, np.float32))
     with pytest.raises(ValueError, match=r"scores must have shape \(nnz, ...\)"):
         jaxcsr.edge_softmax(A, np.float32(1.0))
+
+
+def test_lowers_for_cuda_and_tpu(rng):
+    """Forward and gradient export for GPU and TPU: with a kernel ``impl``,
+    segment_softmax's row sums run it (Triton / Mosaic custom calls); edge_softmax runs
+    the XLA path; the run-time branch lowers as a conditional."""
+    from jax import export
+
+    from benchmarks.gpu_sass import TRITON_CALL, export_for_cuda
+
+    ids = power_law_ids(rng, 64, 9)
+    A = CSRMatrix.from_coo(rng.integers(0, 9, 50), rng.integers(0, 9, 50), shape=(9, 9))
+    args = (
+        jax.ShapeDtypeStruct((64, 8), jnp.float32),
+        jax.ShapeDtypeStruct((A.nnz, 8), jnp.float32),
+    )
+
+    def grad_for(impl):
+        def loss(x, y):
+            p = jaxcsr.segment_softmax(x, ids, 9, impl=impl)
+            return jnp.sum(p * p) + jnp.sum(jaxcsr.edge_softmax(A, y) ** 2)
+
+        return jax.grad(loss, argnums=(0, 1))
+
+    cuda = export_for_cuda(grad_for("pallas_gpu"), *args).mlir_module()
+    tpu = export.export(jax.jit(grad_for("pallas_tpu")), platforms=["tpu"])(*args)
+    assert TRITON_CALL in cuda and "tpu_custom_call" in tpu.mlir_module()
+    assert "stablehlo.case" in cuda or "stablehlo.if" in cuda
