@@ -37,7 +37,7 @@ import numpy as np
 
 from jaxcsr import kernels, plan
 from jaxcsr.matrix import CSRMatrix, matmul
-from jaxcsr.softmax import softmax_over_rows
+from jaxcsr.softmax import shifted_exp, softmax_over_rows
 
 __all__ = [
     "MODES",
@@ -254,12 +254,7 @@ def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
         raise TypeError(f"logits must have a floating dtype, got {x.dtype}")
     dtype = x.dtype
     x = x.astype(jnp.promote_types(dtype, jnp.float32))
-    # The shift cancels in the value and the gradient: no gradient through the max.
-    peak = matmul(A, jax.lax.stop_gradient(x), reduce="max", impl=impl)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0)
-    shifted = x - matmul(A.T, peak, impl=impl)  # each entry minus its segment's max
-    exp = jnp.exp(shifted)
-    return A, axis, shifted, exp, matmul(A, exp, impl=impl), peak, dtype
+    return (A, axis, *shifted_exp(x, A, impl), dtype)
 
 
 def segment_softmax(

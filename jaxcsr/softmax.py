@@ -139,25 +139,39 @@ def _broadcast(per_row: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
 
 
 def _elementwise(fn, *arrays: jax.Array) -> jax.Array:
-    """``fn(*arrays)`` for equal-shape ``(n, H)`` arrays; a single column runs 1-D.
+    """``fn(*arrays)`` for equal-shape arrays; a single ``(n, 1)`` column runs 1-D.
 
     XLA:CPU does not vectorise elementwise loops over a ``(n, 1)`` array: ``exp`` of
     2.7M floats takes 4.9 ms as ``(n, 1)`` and 1.05 ms as ``(n,)`` (2 cores). XLA
     folds plain reshapes back into the loop, so the 1-D views sit behind optimization
     barriers (no copies: the reshapes are bitcasts).
     """
-    if arrays[0].shape[1] != 1:
+    if arrays[0].ndim != 2 or arrays[0].shape[1] != 1:
         return fn(*arrays)
     flat = [jax.lax.optimization_barrier(a.reshape(-1)) for a in arrays]
     return jax.lax.optimization_barrier(fn(*flat)).reshape(arrays[0].shape)
 
 
+def shifted_exp(x: jax.Array, pattern: CSRMatrix, impl=None) -> tuple[jax.Array, ...]:
+    """``(shifted, exp(shifted), row sums, peak)``: the max-shifted softmax's parts.
+
+    ``peak`` is each row's max of ``x`` (0 where it is not finite: empty rows, rows
+    of ``-inf``), ``shifted`` is ``x`` minus its row's peak, the row sums are of
+    ``exp(shifted)``. The shift cancels in every result and its gradient, so no
+    gradient flows through the max. Shared by the exact branch of the softmax and by
+    ``segment_log_softmax`` / ``segment_logsumexp``.
+    """
+    peak = matmul(pattern, jax.lax.stop_gradient(x), reduce="max", impl=impl)
+    peak = jnp.where(jnp.isfinite(peak), peak, 0)
+    shifted = _elementwise(jnp.subtract, x, _broadcast(peak, pattern, impl))
+    e = _elementwise(jnp.exp, shifted)
+    return shifted, e, _row_sums(e, pattern, impl), peak
+
+
 def _exact(x: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
     """Softmax shifted by each row's max (the textbook stable formula)."""
-    peak = matmul(pattern, x, reduce="max", impl=impl)
-    peak = jnp.where(jnp.isfinite(peak), peak, 0)
-    e = _elementwise(lambda x, peak: jnp.exp(x - peak), x, _broadcast(peak, pattern, impl))
-    return _elementwise(jnp.divide, e, _broadcast(_row_sums(e, pattern, impl), pattern, impl))
+    _, e, total, _ = shifted_exp(x, pattern, impl)
+    return _elementwise(jnp.divide, e, _broadcast(total, pattern, impl))
 
 
 def _forward_unbatched(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
