@@ -11,12 +11,19 @@ gathers and three ``(nnz, H)`` temporaries forward, more backward:
 * **One segmented reduction forward, not two.** The row max only guards ``exp``
   against overflow and the sum against underflow; softmax does not depend on the
   shift. The forward computes ``e = exp(s)`` unshifted, the row sums ``t`` with the
-  planned product, and checks on the ``(m, H)`` sums alone whether that was safe:
-  every non-empty row's sum finite and at least :data:`SAFE_TOTAL`. Then the result is
-  ``e / t[row]``, equal to the max-shifted formula to float32 rounding except for
-  probabilities below ~1e-26 (which may flush to 0). Otherwise (scores above ~88, or
-  a row whose scores are all below ~-27) a ``lax.cond`` recomputes with the exact row
-  max. Under ``vmap`` the cond becomes a select and both branches run.
+  planned product, ``r = 1 / t`` per row and ``p = e * r[row]``. It keeps that result
+  only when every step was a normal floating-point number for every non-empty row
+  (:func:`fast_path_safe`): ``SAFE_TOTAL <= t <= 1 / tiny``, where ``tiny`` is the
+  smallest normal number of the accumulation dtype (float32: ``t <= 2**126``, scores
+  up to ``ln 2**126 ~ 87.34``; float64: ``t <= 2**1022``, ~708.4). The upper bound
+  keeps ``r`` normal (a subnormal reciprocal is flushed to zero on CPU and GPU, which
+  would zero the whole row), and ``e <= t`` cannot overflow below it; the lower bound
+  keeps ``r <= 2**40``, so an entry whose ``exp`` underflows (score below ~-87 in
+  float32) has a true probability below ``tiny * 2**40 ~ 1.3e-26``. Every probability
+  above that equals the max-shifted formula's to float32 rounding. Otherwise (a row
+  whose largest score is above ~87.34, or whose scores all lie below ~-27.7) a
+  ``lax.cond`` recomputes with the exact row max. Under ``vmap`` the batch folds into
+  the heads axis, so the cond stays a cond.
 * **A backward that stores nothing it can recompute.** The derivative is a JVP,
   ``dp = p * (ds - rowsum(p * ds)[row])``, linear in ``ds`` and built only from the
   output ``p`` (the result the caller holds anyway); reverse mode transposes it into
@@ -45,13 +52,28 @@ from jaxcsr.matrix import CSRMatrix, matmul
 from jaxcsr.ops import Index
 from jaxcsr.structure import Layout, Structure
 
-__all__ = ["SAFE_TOTAL", "edge_softmax", "rows_pattern"]
+__all__ = ["SAFE_TOTAL", "edge_softmax", "fast_path_safe", "max_safe_total", "rows_pattern"]
 
 SAFE_TOTAL = 2.0**-40
 """Smallest row sum of unshifted ``exp(scores)`` the fast path accepts.
 
-Above it, an entry whose ``exp`` underflows (score < ~-87) has probability below
-``exp(-87) / 2**-40`` ~ 1e-26, so skipping the max shift loses nothing larger."""
+Above it, an entry whose ``exp`` underflows (score < ~-87 in float32) has probability
+below ``tiny * 2**40 ~ 1.3e-26``, so skipping the max shift loses nothing larger."""
+
+
+def max_safe_total(dtype) -> float:
+    """Largest row sum the fast path accepts in accumulation dtype ``dtype``:
+    ``1 / tiny`` (``2**126`` for float32, ``2**1022`` for float64), the largest sum
+    whose reciprocal is still a normal number."""
+    return float(1 / jnp.finfo(dtype).tiny)
+
+
+def fast_path_safe(total: jax.Array, nonempty: jax.Array) -> jax.Array:
+    """Whether the unshifted softmax is exact enough for every row: each non-empty
+    row's sum lies in ``[SAFE_TOTAL, max_safe_total(total.dtype)]`` (NaN sums pass:
+    NaN scores give NaN in either branch). A scalar bool."""
+    unsafe = nonempty & ((total < SAFE_TOTAL) | (total > max_safe_total(total.dtype)))
+    return ~jnp.any(unsafe)
 
 
 def rows_pattern(A: CSRMatrix) -> CSRMatrix:
@@ -100,6 +122,12 @@ def edge_softmax(A: CSRMatrix, scores: Any) -> jax.Array:
         raise ValueError(
             f"scores must have shape (nnz, ...) with nnz = A.nnz = {A.nnz}, got {scores.shape}"
         )
+    return _edge_softmax(A, scores)
+
+
+@jax.jit
+def _edge_softmax(A: CSRMatrix, scores: jax.Array) -> jax.Array:
+    # jitted so that eager calls compile once per shape, not at every call
     return softmax_over_rows(scores, rows_pattern(A))
 
 
@@ -125,7 +153,13 @@ def softmax_over_rows(
     flat = scores.reshape(n, int(np.prod(scores.shape[1:])))
     if flat.size == 0:
         return scores
-    return _softmax(flat, pattern, impl).reshape(scores.shape)
+    return _softmax_jit(flat, pattern, impl).reshape(scores.shape)
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _softmax_jit(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
+    """:func:`_softmax` compiled once per shape when called eagerly (inlined in a trace)."""
+    return _softmax(scores, pattern, impl)
 
 
 def _row_sums(v: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
@@ -180,12 +214,10 @@ def _forward_unbatched(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array
     e = _elementwise(jnp.exp, x)
     total = _row_sums(e, pattern, impl)
     nonempty = (pattern.structure.degrees() > 0)[:, None]
-    # NaN sums (NaN scores) compare False: they stay NaN, as the exact formula gives.
-    unsafe = nonempty & ((total < SAFE_TOTAL) | (total == jnp.inf))
     out = jax.lax.cond(
-        jnp.any(unsafe),
-        lambda: _exact(x, pattern, impl),
+        fast_path_safe(total, nonempty),
         lambda: _elementwise(jnp.multiply, e, _broadcast(1 / total, pattern, impl)),
+        lambda: _exact(x, pattern, impl),
     )
     return out.astype(scores.dtype)
 

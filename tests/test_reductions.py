@@ -341,3 +341,76 @@ def test_max_min_kernels_lower_for_hardware(rng, reduce):
     assert TRITON_CALL in export_for_cuda(gpu, spec).mlir_module()
     tpu = jax.jit(lambda x: jaxcsr.matmul(A, x, reduce=reduce, impl="pallas_tpu"))
     assert "tpu_custom_call" in export.export(tpu, platforms=["tpu"])(spec).mlir_module()
+
+
+def _tied(rng, kind: str) -> CSRMatrix:
+    """A matrix of ``kind`` whose row products tie often: small integer values."""
+    if kind == "duplicates":  # repeated coordinates: equal products, separate entries
+        rows, cols = rng.integers(0, 7, 60), rng.integers(0, 5, 60)
+        A = CSRMatrix.from_coo(rows, cols, rng.choice([1.0, 2.0], 60), shape=(9, 5), backends=ALL)
+    else:
+        A = structure(rng, kind)
+    if A.data is not None:
+        A = A.with_data(jnp.asarray(rng.choice([1.0, 2.0], A.nnz), jnp.float32))
+    return A
+
+
+@pytest.mark.parametrize("impl,interpret", PATHS)
+@pytest.mark.parametrize("reduce", EXTREMES)
+def test_tied_extremes_send_the_gradient_to_the_first_entry_only(rng, reduce, impl, interpret):
+    """The documented tie rule for gradients: among entries of a row attaining the
+    max/min, only the first in CSR order (the smallest column) gets the cotangent,
+    for X and for the values, in reverse and forward mode."""
+    kinds = ["segment", "weighted"]  # interpret mode is slow: the two kernel layouts
+    if impl == "xla":
+        kinds += ["sorted_segment", "weighted_segment", "duplicates", "gather", "empty"]
+    for kind in kinds:
+        A = _tied(rng, kind)
+        m, n = A.shape
+        x = rng.integers(-2, 3, size=(n, 3)).astype(np.float32)  # many ties
+        ct = random_values(rng, (m, 3)).astype(np.float32)
+        indptr, indices = np.asarray(A.indptr), np.asarray(A.indices)
+        data = np.ones(A.nnz) if A.data is None else np.asarray(A.data, np.float64)
+        want_x, want_data = np.zeros((n, 3)), np.zeros(A.nnz)
+        ties = 0
+        for i in range(m):
+            lo, hi = indptr[i], indptr[i + 1]
+            for f in range(3):
+                if lo == hi:
+                    continue
+                products = data[lo:hi] * x[indices[lo:hi], f]
+                target = products.max() if reduce == "max" else products.min()
+                hits = np.flatnonzero(products == target)
+                ties += hits.size > 1
+                k = lo + hits[0]
+                want_x[indices[k], f] += ct[i, f] * data[k]
+                want_data[k] += ct[i, f] * x[indices[k], f]
+
+        def loss(d, v, A=A):
+            B = A if d is None else A.with_data(d)
+            out = jaxcsr.matmul(B, v, reduce=reduce, impl=impl, interpret=interpret)
+            return jnp.sum(out * ct)
+
+        if kind not in ("gather", "empty"):
+            assert ties > 0, kind  # the test must contain ties to pin the rule
+        g_x = jax.grad(loss, argnums=1)(A.data, jnp.asarray(x))
+        np.testing.assert_allclose(np.asarray(g_x), want_x, rtol=1e-6, atol=1e-6, err_msg=kind)
+        if A.data is not None:
+            g_data = jax.grad(loss)(A.data, jnp.asarray(x))
+            np.testing.assert_allclose(np.asarray(g_data), want_data, rtol=1e-6, err_msg=kind)
+        # forward mode: the tangent of out[i, f] is the tangent at the first hit only
+        dx = random_values(rng, (n, 3)).astype(np.float32)
+        _, tangent = jax.jvp(
+            lambda v, A=A: jaxcsr.matmul(A, v, reduce=reduce, impl=impl, interpret=interpret),
+            (jnp.asarray(x),),
+            (jnp.asarray(dx),),
+        )
+        want_t = np.zeros((m, 3))
+        for i in range(m):
+            lo, hi = indptr[i], indptr[i + 1]
+            for f in range(3 if hi > lo else 0):
+                products = data[lo:hi] * x[indices[lo:hi], f]
+                target = products.max() if reduce == "max" else products.min()
+                k = lo + np.flatnonzero(products == target)[0]
+                want_t[i, f] = data[k] * dx[indices[k], f]
+        np.testing.assert_allclose(np.asarray(tangent), want_t, rtol=1e-6, atol=1e-6, err_msg=kind)

@@ -120,6 +120,108 @@ def test_unsafe_sums_take_the_exact_branch(rng):
     assert bool(jnp.all(fine >= 0)) and bool(jnp.all(big == -1.0))
 
 
+# Row peaks across the fast path's upper edge (ln 2**126 ~ 87.34 for float32 sums,
+# ln 2**1022 ~ 708.40 for float64) and exp's overflow (~88.72 / ~709.78), per dtype.
+_F32_EDGES = [np.log(2.0**126) + d for d in (-1e-4, 1e-4)] + [88.7228, 88.7229]
+_PEAKS = {
+    "float32": [*np.arange(86.0, 90.01, 0.125), *_F32_EDGES],
+    "bfloat16": [86.0, 86.5, 87.0, 87.5, 88.0, 88.5, 89.0, 89.5, 90.0],
+    "float16": list(np.arange(86.5, 89.51, 0.0625)),
+    "float64": [*np.arange(706.0, 711.01, 0.25), np.log(2.0**1022) + 1e-6, 709.7828],
+}
+
+
+@pytest.mark.parametrize("dtype", list(_PEAKS))
+def test_rows_peaking_near_exp_limit(rng, dtype):
+    """Every row peak across exp's upper limit gives the float64 softmax, in every float
+    dtype (regression: peaks in ~(87.34, 88.72) used to give all zeros, because the
+    reciprocal of the row sum was subnormal and flushed to zero)."""
+    A = CSRMatrix.from_coo(np.array([0, 0, 0, 1, 1]), np.array([0, 1, 2, 0, 2]), shape=(2, 3))
+    rows = _rows(A)
+    f = jax.jit(jaxcsr.edge_softmax)
+    g = rng.standard_normal((A.nnz, 2)).astype(np.float32)
+    grad = jax.jit(jax.grad(lambda s: jnp.sum(jaxcsr.edge_softmax(A, s) * g)))
+
+    def check(jdtype, tol_dtype):
+        for peak in _PEAKS[dtype]:
+            base = np.array([peak, peak - 0.75, peak - 4.0, 1.5, -0.5])
+            s = np.stack([base, base[[1, 0, 2, 4, 3]]], axis=1)  # two heads
+            s = jnp.asarray(s, jdtype)
+            want = _softmax64(np.asarray(s, np.float64), rows, 2)
+            out = f(A, s)
+            assert out.dtype == jdtype
+            assert_close(out, want, tol_dtype)
+            if tol_dtype != np.float64:  # gradients too (they read the output only)
+                g_want = _softmax_grad64(want, g, rows, 2)
+                assert_close(grad(s.astype(jnp.float32)), g_want, np.float32)
+
+    if dtype == "float64":
+        with jax.enable_x64(True):
+            check(jnp.float64, np.float64)
+    else:
+        check(jnp.dtype(dtype), np.dtype(dtype))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "float64"])
+def test_fast_path_bounds_at_their_edges(dtype):
+    """The branch guard at each of its two edges (SAFE_TOTAL and 1 / tiny)."""
+    with jax.enable_x64(dtype == "float64"):
+        jdtype = jnp.dtype(dtype)
+        lo, hi = softmax_module.SAFE_TOTAL, softmax_module.max_safe_total(jdtype)
+        assert lo == 2.0**-40 and hi == {"float32": 2.0**126, "float64": 2.0**1022}[dtype]
+        below, above = np.nextafter(jdtype.type(lo), 0), np.nextafter(jdtype.type(hi), np.inf)
+        live = jnp.array([[True, True]])
+        for total, safe in [(lo, True), (below, False), (hi, True), (above, False),
+                            (1.0, True), (np.inf, False), (np.nan, True)]:
+            t = jnp.array([[1.0, total]], jdtype)
+            assert bool(softmax_module.fast_path_safe(t, live)) is safe, total
+            # an empty row's sum (0) never forces the exact branch
+            assert bool(softmax_module.fast_path_safe(t, jnp.array([[True, False]])))
+
+
+def test_safe_total_edge_in_results():
+    """Just above SAFE_TOTAL the fast path runs: an entry whose exp underflows gets 0
+    (its true probability is e**-80 ~ 1.8e-35, below the documented 1.3e-26); just
+    below it the exact branch runs and gets e**-80."""
+    A = CSRMatrix.from_dense(np.ones((1, 2), np.float32))
+    edge = float(np.log(softmax_module.SAFE_TOTAL))  # ~ -27.73
+    above = np.asarray(jaxcsr.edge_softmax(A, jnp.array([edge + 0.05, edge + 0.05 - 80.0])))
+    below = np.asarray(jaxcsr.edge_softmax(A, jnp.array([edge - 0.05, edge - 0.05 - 80.0])))
+    assert above[0] == 1.0 and above[1] == 0.0
+    assert below[0] == 1.0 and below[1] == pytest.approx(np.exp(-80.0), rel=1e-4)
+
+
+def test_eager_calls_compile_once(rng):
+    """Eager edge_softmax / segment_softmax / log_softmax / logsumexp calls with the same
+    shapes compile nothing after the first call (regression: two compiles per call)."""
+    compiles = []
+
+    def listener(event, duration, **kwargs):
+        if event == "/jax/core/compile/backend_compile_duration":
+            compiles.append(event)
+
+    ids = power_law_ids(rng, 300, 20)
+    A = CSRMatrix.from_indices(ids, 20)
+    x = jnp.asarray(_scores(rng, 300, None))
+    calls = [
+        lambda: jaxcsr.edge_softmax(A, x),
+        lambda: jaxcsr.segment_softmax(x, ids, 20),
+        lambda: jaxcsr.segment_log_softmax(x, ids, 20),
+        lambda: jaxcsr.segment_logsumexp(x, ids, 20),
+    ]
+    jax.monitoring.register_event_duration_secs_listener(listener)
+    try:
+        for call in calls:
+            call().block_until_ready()
+            before = len(compiles)
+            for _ in range(3):
+                call().block_until_ready()
+            assert len(compiles) == before, call
+        assert compiles  # the listener does see compilations
+    finally:
+        jax.monitoring.unregister_event_duration_listener(listener)
+
+
 @pytest.mark.parametrize("heads", [None, 3])
 def test_gradients_against_float64_and_finite_differences(rng, heads):
     A = CSRMatrix.from_scipy(random_csr(rng, 23, 19, "power_law"))
