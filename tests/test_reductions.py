@@ -386,7 +386,7 @@ def test_tied_extremes_send_the_gradient_to_the_first_entry_only(rng, reduce, im
                 want_x[indices[k], f] += ct[i, f] * data[k]
                 want_data[k] += ct[i, f] * x[indices[k], f]
 
-        def loss(d, v, A=A):
+        def loss(d, v, A=A, ct=ct):
             B = A if d is None else A.with_data(d)
             out = jaxcsr.matmul(B, v, reduce=reduce, impl=impl, interpret=interpret)
             return jnp.sum(out * ct)

@@ -171,8 +171,15 @@ def test_fast_path_bounds_at_their_edges(dtype):
         assert lo == 2.0**-40 and hi == {"float32": 2.0**126, "float64": 2.0**1022}[dtype]
         below, above = np.nextafter(jdtype.type(lo), 0), np.nextafter(jdtype.type(hi), np.inf)
         live = jnp.array([[True, True]])
-        for total, safe in [(lo, True), (below, False), (hi, True), (above, False),
-                            (1.0, True), (np.inf, False), (np.nan, True)]:
+        for total, safe in [
+            (lo, True),
+            (below, False),
+            (hi, True),
+            (above, False),
+            (1.0, True),
+            (np.inf, False),
+            (np.nan, True),
+        ]:
             t = jnp.array([[1.0, total]], jdtype)
             assert bool(softmax_module.fast_path_safe(t, live)) is safe, total
             # an empty row's sum (0) never forces the exact branch
