@@ -45,11 +45,26 @@ from jaxcsr.dtypes import accumulation_dtype, product_dtype
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.structure import Structure
 
-__all__ = ["IMPLS", "REDUCTIONS", "Index", "csr_matmul_p", "opaque", "product"]
+__all__ = [
+    "IMPLS",
+    "REDUCTIONS",
+    "STATIC_STRUCTURE_MESSAGE",
+    "Index",
+    "csr_matmul_p",
+    "opaque",
+    "product",
+]
 
 IMPLS: tuple[str | None, ...] = (None, *kernels.BACKENDS)
 """``impl=`` values: ``None`` (the platform's planned kernel, else XLA) or a backend."""
 REDUCTIONS: tuple[str, ...] = ("sum", "mean", "max", "min")
+STATIC_STRUCTURE_MESSAGE = (
+    "vmap over a stack of CSRMatrix structures (batched index arrays) is not supported: "
+    "a matrix's structure is planned on the host and static. What works: lax.scan or a "
+    "Python loop over the stack; vmap over the values (A.with_data) or the dense operand "
+    "of one matrix; for many small graphs, one block-diagonal matrix (offset the ids)."
+)
+"""The error every transformation rule raises when ``vmap`` batches a matrix's structure."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -294,10 +309,7 @@ def _batch(batched_args, batch_dims, *, index_tree, has_data, **params):
     x_bd, *index_bd = batch_dims
     data_bd = index_bd.pop(0) if has_data else None
     if any(bd is not None for bd in index_bd):
-        raise ValueError(
-            "vmap over the index structure of a CSRMatrix is not supported: the "
-            "structure is static. Map over the values (with_data) or the dense operand."
-        )
+        raise ValueError(STATIC_STRUCTURE_MESSAGE)
     m = index.structure.shape[0]
     if data_bd is None:
         # Fold the batch into the feature axis: (n, B, F) -> (n, B * F).

@@ -4,21 +4,32 @@
 entry ``(i_k, j_k)`` of ``A`` in its CSR order -- the attention scores of graph
 attention, and what ``A.with_data(...)`` takes back. Its transposes are the two
 products jaxcsr already plans: ``dX = A.with_data(g) @ Y`` and ``dY = A.with_data(g).T
-@ X``, so the backward runs the platform's product path (a custom VJP).
+@ X``. It is a primitive, ``sddmm_p``, bilinear in ``(X, Y)``: its JVP binds it on the
+tangents, and its transpose rule is those two planned products, so forward mode,
+reverse mode (the backward runs the platform's product path) and higher orders all
+work. ``vmap`` folds the batch into the heads axis.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.matrix import CSRMatrix
+from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE
 
-__all__ = ["sddmm"]
+try:  # the public spelling; jax.core's aliases are being retired
+    from jax.core import ShapedArray
+except ImportError:  # pragma: no cover - future jax
+    from jax._src.core import ShapedArray
+
+__all__ = ["sddmm", "sddmm_p"]
 
 
 def sddmm(A: CSRMatrix, X: Any, Y: Any) -> jax.Array:
@@ -32,7 +43,8 @@ def sddmm(A: CSRMatrix, X: Any, Y: Any) -> jax.Array:
 
     Returns:
       ``(nnz,)``, or ``(nnz, H)``, in the promoted dtype of ``X`` and ``Y`` (sums in
-      float32 for 16-bit floats). Differentiable in ``X`` and ``Y``.
+      float32 for 16-bit floats). Differentiable in ``X`` and ``Y`` in forward and
+      reverse mode, to any order.
 
     Raises:
       TypeError: ``A`` not a CSRMatrix; non-floating ``X``/``Y``.
@@ -60,39 +72,110 @@ def sddmm(A: CSRMatrix, X: Any, Y: Any) -> jax.Array:
         )
     if X.shape[1:] != Y.shape[1:]:
         raise ValueError(f"X and Y must agree past the first axis, got {X.shape}, {Y.shape}")
-    pattern = A.with_data(jnp.ones((A.nnz,), jnp.result_type(X.dtype, Y.dtype)))
-    if X.ndim == 2:
-        return _sddmm(pattern, X, Y)
-    return jax.vmap(_sddmm, in_axes=(None, 1, 1), out_axes=1)(pattern, X, Y)
-
-
-@jax.custom_vjp
-def _sddmm(pattern: CSRMatrix, X: jax.Array, Y: jax.Array) -> jax.Array:
     out_dtype = jnp.result_type(X.dtype, Y.dtype)
-    return xla_kernels.sddmm(X, Y, pattern.structure, out_dtype=out_dtype)
+    if X.ndim == 2:
+        return _bind(X[:, None], Y[:, None], A, out_dtype)[:, 0]
+    return _bind(X, Y, A, out_dtype)
 
 
-def _sddmm_fwd(pattern, X, Y):
-    return _sddmm(pattern, X, Y), (pattern, X, Y)
+sddmm_p = Primitive("sddmm")
 
 
-def _sddmm_bwd(residuals, g):
-    pattern, X, Y = residuals
-    weighted = pattern.with_data(g.astype(pattern.data.dtype))
-    dX = (weighted @ Y).astype(X.dtype)
-    dY = (weighted.T @ X).astype(Y.dtype)
-    return _zero_cotangent(pattern), dX, dY
+def _bind(x, y, A: CSRMatrix, out_dtype) -> jax.Array:
+    """``(nnz, H)`` scores of ``x`` ``(m, H, F)`` and ``y`` ``(n, H, F)`` at ``A``'s entries."""
+    leaves, index_tree = jax.tree_util.tree_flatten(A.index)
+    return sddmm_p.bind(x, y, *leaves, index_tree=index_tree, out_dtype=jnp.dtype(out_dtype))
 
 
-def _zero_cotangent(tree):
-    """Zero cotangents for a matrix's leaves (float0 for its integer arrays)."""
-
-    def zero(leaf):
-        if jnp.issubdtype(leaf.dtype, jnp.inexact):
-            return jnp.zeros_like(leaf)
-        return np.zeros(leaf.shape, jax.dtypes.float0)
-
-    return jax.tree_util.tree_map(zero, tree)
+def _pattern(leaves, index_tree) -> CSRMatrix:
+    return CSRMatrix(None, jax.tree_util.tree_unflatten(index_tree, leaves))
 
 
-_sddmm.defvjp(_sddmm_fwd, _sddmm_bwd)
+def _impl(x, y, *leaves, index_tree, out_dtype) -> jax.Array:
+    structure = _pattern(leaves, index_tree).structure
+    per_head = functools.partial(xla_kernels.sddmm, structure=structure, out_dtype=out_dtype)
+    return jax.vmap(per_head, in_axes=(1, 1), out_axes=1)(x, y)
+
+
+@functools.cache
+def _jitted(**params):
+    return jax.jit(functools.partial(sddmm_p.bind, **params))
+
+
+sddmm_p.def_impl(lambda *operands, **params: _jitted(**params)(*operands))
+
+
+@sddmm_p.def_abstract_eval
+def _abstract_eval(x, y, *leaves, index_tree, out_dtype):
+    nnz = _pattern(leaves, index_tree).nnz
+    return ShapedArray((nnz, x.shape[1]), out_dtype)
+
+
+def _jvp(primals, tangents, *, index_tree, out_dtype):
+    x, y, *leaves = primals
+    dx, dy, *_ = tangents
+    params = {"index_tree": index_tree, "out_dtype": out_dtype}
+    out = sddmm_p.bind(x, y, *leaves, **params)
+    parts = []
+    if type(dx) is not ad.Zero:
+        parts.append(sddmm_p.bind(dx, y, *leaves, **params))
+    if type(dy) is not ad.Zero:
+        parts.append(sddmm_p.bind(x, dy, *leaves, **params))
+    if not parts:
+        return out, ad.Zero.from_primal_value(out)
+    return out, parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+ad.primitive_jvps[sddmm_p] = _jvp
+
+
+def _transpose(ct, x, y, *leaves, index_tree, out_dtype):
+    """``dX[:, h] = A_h @ Y[:, h]`` and ``dY[:, h] = A_h.T @ X[:, h]`` with ``A_h`` the
+    pattern holding ``ct[:, h]``: the planned products, one per head."""
+    if any(ad.is_undefined_primal(leaf) for leaf in leaves):
+        raise ValueError("sddmm is not linear in the matrix's index arrays")
+    cts = [None] * (2 + len(leaves))
+    if type(ct) is ad.Zero:
+        return cts
+    pattern = _pattern(leaves, index_tree)
+
+    def products(ct_h, dense_h, transposed):
+        weighted = pattern.with_data(ct_h)
+        return (weighted.T if transposed else weighted) @ dense_h
+
+    if ad.is_undefined_primal(x):
+        dx = jax.vmap(products, in_axes=(1, 1, None), out_axes=1)(ct, y, False)
+        cts[0] = dx.astype(x.aval.dtype)
+    if ad.is_undefined_primal(y):
+        dy = jax.vmap(products, in_axes=(1, 1, None), out_axes=1)(ct, x, True)
+        cts[1] = dy.astype(y.aval.dtype)
+    return cts
+
+
+ad.primitive_transposes[sddmm_p] = _transpose
+
+
+def _batch(args, dims, *, index_tree, out_dtype):
+    """The batch joins the heads axis: ``(m, B, H, F) -> (m, B * H, F)``."""
+    x, y, *leaves = args
+    x_bd, y_bd, *leaf_bds = dims
+    if any(bd is not None for bd in leaf_bds):
+        raise ValueError(STATIC_STRUCTURE_MESSAGE)
+    size = x.shape[x_bd] if x_bd is not None else y.shape[y_bd]
+
+    def fold(v, bd):
+        v = (
+            jnp.broadcast_to(v[:, None], (v.shape[0], size, *v.shape[1:]))
+            if bd is None
+            else (jnp.moveaxis(v, bd, 1))
+        )
+        return v.reshape(v.shape[0], size * v.shape[2], v.shape[3])
+
+    out = sddmm_p.bind(
+        fold(x, x_bd), fold(y, y_bd), *leaves, index_tree=index_tree, out_dtype=out_dtype
+    )
+    return out.reshape(out.shape[0], size, -1), 1
+
+
+batching.primitive_batchers[sddmm_p] = _batch
+mlir.register_lowering(sddmm_p, mlir.lower_fun(_impl, multiple_results=False))

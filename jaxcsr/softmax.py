@@ -49,7 +49,7 @@ import numpy as np
 
 from jaxcsr.dtypes import accumulation_dtype
 from jaxcsr.matrix import CSRMatrix, matmul
-from jaxcsr.ops import Index
+from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE, Index
 from jaxcsr.structure import Layout, Structure
 
 __all__ = ["SAFE_TOTAL", "edge_softmax", "fast_path_safe", "max_safe_total", "rows_pattern"]
@@ -239,10 +239,7 @@ def _batchable_forward(impl):
     def _rule(axis_size, in_batched, scores, pattern):
         scores_batched, pattern_batched = in_batched
         if any(jax.tree_util.tree_leaves(pattern_batched)):
-            raise ValueError(
-                "vmap over the index structure of a CSRMatrix is not supported: the "
-                "structure is static. Map over the scores."
-            )
+            raise ValueError(STATIC_STRUCTURE_MESSAGE)
         if not scores_batched:
             return forward(scores, pattern), False
         b, n, h = scores.shape
