@@ -12,7 +12,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from jaxcsr import kernels, plan
-from jaxcsr.dtypes import product_dtype
+from jaxcsr.dtypes import as_numeric, product_dtype
 from jaxcsr.kernels import gpu as gpu_kernels
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.ops import IMPLS, REDUCTIONS, Index, opaque, product
@@ -23,9 +23,7 @@ __all__ = ["CSRMatrix", "PlanInfo", "matmul"]
 
 def _check_values(data: Any, nnz: int, name: str) -> jax.Array:
     """Validates per-nonzero values (may be traced): numeric, shape ``(nnz,)``."""
-    data = jnp.asarray(data)
-    if data.dtype == np.bool_ or not jnp.issubdtype(data.dtype, jnp.number):
-        raise TypeError(f"{name} must have a numeric dtype, got {data.dtype}")
+    data = as_numeric(data, name)
     if data.shape != (nnz,):
         raise ValueError(f"{name} must have shape (nnz,) = ({nnz},), got {data.shape}")
     return data
@@ -158,11 +156,12 @@ class CSRMatrix:
         ``data`` comes in input order and is stored as ``data[data_order]``
         (``data_order`` defaults to ``input_order``, the stored map).
         """
+        if data is not None:  # checked before any planning or device work
+            data = _check_values(data, structure.nnz, "data")
         names = kernels.resolve_backends(backends)
         plans = {name: kernels.BACKENDS[name].plan(structure) for name in names}
         index = _to_device(Index(structure, plans))
         if data is not None:
-            data = _check_values(data, structure.nnz, "data")
             data_order = input_order if data_order is None else data_order
             if data_order is not None:
                 data = data[data_order]
@@ -308,11 +307,26 @@ class CSRMatrix:
 
     @classmethod
     def from_dense(cls, dense: Any, *, backends: Any = None) -> CSRMatrix:
-        """Builds a matrix holding the nonzero entries of a concrete 2-D array."""
+        """Builds a matrix holding the nonzero entries of a concrete 2-D array.
+
+        Entries that compare unequal to 0 are stored (NaN included), in row-major
+        order, in the array's own dtype (float16 and bfloat16 too; float64 becomes
+        float32 unless ``jax_enable_x64`` is on).
+
+        Raises:
+          TypeError: ``dense`` is not numeric.
+          ValueError: ``dense`` is traced or not 2-D.
+        """
         dense = _host_values(dense, "dense")
         if dense.ndim != 2:
             raise ValueError(f"dense must be 2-D, got shape {dense.shape}")
-        return cls.from_scipy(sp.csr_array(dense), backends=backends)
+        as_numeric(dense[:0, :0], "dense")  # the dtype check, before any work
+        shape = plan.check_shape(dense.shape)
+        rows, cols = np.nonzero(dense != 0)
+        indptr, indices, _ = plan.coo_to_csr(rows, cols, shape)  # already in CSR order
+        data = dense[rows, cols]
+        data = data.astype(jax.dtypes.canonicalize_dtype(data.dtype), copy=False)
+        return cls._from_host_csr(indptr, indices, data, shape, backends)
 
     # ------------------------------------------------------------- properties
     @property
@@ -475,7 +489,7 @@ class CSRMatrix:
 
     def __rmatmul__(self, other: Any) -> jax.Array:
         """``X @ A`` for ``X`` of shape ``(..., m)``: contracts X's last axis."""
-        x = jnp.asarray(other)
+        x = as_numeric(other, "X")
         if x.ndim == 0:
             raise ValueError("X must have rank >= 1, got a scalar (shape ())")
         if x.shape[-1] != self.shape[0]:
@@ -561,9 +575,7 @@ def matmul(
     _check_reduce(reduce, return_arg)
     if isinstance(X, CSRMatrix):
         raise TypeError("X must be a dense array; sparse @ sparse is not supported")
-    X = jnp.asarray(X)
-    if X.dtype == np.bool_ or not (jnp.issubdtype(X.dtype, jnp.number)):
-        raise TypeError(f"X must have a numeric dtype, got {X.dtype}")
+    X = as_numeric(X, "X")
     if X.ndim == 0:
         raise ValueError("X must have rank >= 1, got a scalar (shape ())")
     if reduce in xla_kernels.EXTREMES and (

@@ -24,7 +24,9 @@ import numpy as np
 from jaxcsr.structure import Layout, Structure
 
 __all__ = [
+    "INT32_SIZE_LIMIT",
     "check_csr_arrays",
+    "check_index_range",
     "check_segment_ids",
     "check_shape",
     "check_size",
@@ -39,9 +41,27 @@ __all__ = [
 ]
 
 
+INT32_SIZE_LIMIT = 2**31 - 1
+"""Sizes (rows, columns, stored entries) from here on need int64 indices."""
+
+
 def index_dtype_for(*sizes: int) -> np.dtype:
     """Smallest of int32/int64 that can hold every value in ``[0, max(sizes)]``."""
-    return np.dtype(np.int32 if max(sizes, default=0) < 2**31 - 1 else np.int64)
+    return np.dtype(np.int32 if max(sizes, default=0) < INT32_SIZE_LIMIT else np.int64)
+
+
+def check_index_range(size: int, name: str) -> int:
+    """Rejects a size that needs int64 indices while JAX runs without 64-bit types
+    (JAX would truncate the indices to int32), before anything is allocated."""
+    import jax  # only its configuration
+
+    if size >= INT32_SIZE_LIMIT and not jax.config.jax_enable_x64:
+        raise ValueError(
+            f"{name} = {size} needs 64-bit indices (sizes must be < 2**31 - 1 = "
+            f"{INT32_SIZE_LIMIT} with int32 indices); enable jax_enable_x64 for int64 "
+            "indices, or split the matrix"
+        )
+    return size
 
 
 def as_host_int_array(value: Any, name: str) -> np.ndarray:
@@ -116,10 +136,11 @@ def check_segment_ids(
       ValueError: ``idx`` not 1-D, traced, or out of range; ``num_rows < 0``.
     """
     idx_name, size_name = names
-    num_rows = check_size(num_rows, size_name)
+    num_rows = check_index_range(check_size(num_rows, size_name), size_name)
     arr = as_host_int_array(idx, idx_name)
     if arr.ndim != 1:
         raise ValueError(f"{idx_name} must be 1-D, got shape {arr.shape}")
+    check_index_range(arr.size, f"len({idx_name})")
     _check_range(arr, num_rows, idx_name, size_name)
     return arr, num_rows
 
@@ -169,6 +190,7 @@ def coo_to_csr(
         raise ValueError(f"row and col must be 1-D, got shapes {row.shape} and {col.shape}")
     if row.shape != col.shape:
         raise ValueError(f"row and col must have the same length, got {row.size} and {col.size}")
+    check_index_range(row.size, "len(row)")
     _check_range(row, m, "row", "shape[0]")
     _check_range(col, n, "col", "shape[1]")
     itype = index_dtype_for(row.size, m, n)
@@ -184,7 +206,8 @@ def check_shape(shape: Any) -> tuple[int, int]:
         m, n = shape
     except (TypeError, ValueError) as err:
         raise ValueError(f"shape must be a pair (rows, cols), got {shape!r}") from err
-    return check_size(m, "shape[0]"), check_size(n, "shape[1]")
+    m, n = check_size(m, "shape[0]"), check_size(n, "shape[1]")
+    return check_index_range(m, "shape[0]"), check_index_range(n, "shape[1]")
 
 
 def check_csr_arrays(

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
+from jaxcsr.dtypes import as_numeric
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.matrix import CSRMatrix
 from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE
@@ -58,10 +59,8 @@ def sddmm(A: CSRMatrix, X: Any, Y: Any) -> jax.Array:
     """
     if not isinstance(A, CSRMatrix):
         raise TypeError(f"A must be a jaxcsr.CSRMatrix, got {type(A).__name__}")
-    X, Y = jnp.asarray(X), jnp.asarray(Y)
+    X, Y = as_numeric(X, "X", floating=True), as_numeric(Y, "Y", floating=True)
     for name, v in (("X", X), ("Y", Y)):
-        if not jnp.issubdtype(v.dtype, jnp.floating):
-            raise TypeError(f"{name} must have a floating dtype, got {v.dtype}")
         if v.ndim not in (2, 3):
             raise ValueError(f"{name} must be (rows, F) or (rows, H, F), got shape {v.shape}")
     m, n = A.shape

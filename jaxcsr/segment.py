@@ -36,6 +36,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcsr import kernels, plan
+from jaxcsr.dtypes import as_numeric
 from jaxcsr.matrix import CSRMatrix, matmul
 from jaxcsr.softmax import shifted_exp, softmax_over_rows
 
@@ -151,8 +152,13 @@ def _backends_for(impl: str | None) -> tuple[str, ...] | None:
     return (*kernels.default_backends(), impl)
 
 
-def _prepare(data: Any, segment_ids: Any, num_segments, mode, axis, impl=None) -> tuple:
-    data = jnp.asarray(data)
+def _prepare(
+    data: Any, segment_ids: Any, num_segments, mode, axis, impl=None, *, name: str = "data"
+) -> tuple:
+    """Validates (dtype first, before any planning), plans, and moves ``axis`` first.
+    ``name`` is what errors call ``data``; the softmax family calls it ``logits`` and
+    needs a floating dtype."""
+    data = as_numeric(data, name, floating=name == "logits")
     axis = _check_axis(data, axis)
     A = segment_matrix(segment_ids, num_segments, mode, backends=_backends_for(impl))
     if A.shape[1] != data.shape[axis]:
@@ -249,9 +255,7 @@ def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
     ``shifted`` is each logit minus its segment's (finite) max ``peak``; ``total`` the
     per-segment sum of ``exp(shifted)``; all in float32 or wider.
     """
-    A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis, impl)
-    if not jnp.issubdtype(x.dtype, jnp.floating):
-        raise TypeError(f"logits must have a floating dtype, got {x.dtype}")
+    A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis, impl, name="logits")
     dtype = x.dtype
     x = x.astype(jnp.promote_types(dtype, jnp.float32))
     return (A, axis, *shifted_exp(x, A, impl), dtype)
@@ -281,7 +285,7 @@ def segment_softmax(
       >>> [round(float(v), 4) for v in out]
       [0.2689, 0.7311, 1.0]
     """
-    A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis, impl)
+    A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis, impl, name="logits")
     return jnp.moveaxis(softmax_over_rows(x, A, impl, name="logits"), 0, axis)
 
 

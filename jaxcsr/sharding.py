@@ -342,6 +342,12 @@ def shard(
         raise ValueError(f"form must be None, 'segment' or 'spmm', got {form!r}")
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(A)):
+        raise ValueError(
+            "A holds traced values: jaxcsr.shard plans on the host, so call it outside "
+            "jax.jit/grad on a matrix with concrete values (or none), then pass traced "
+            "values in with S.with_data(values), laid out as S.data_order says"
+        )
     shards = int(mesh.shape[axis])
     m, n = A.shape
     indptr = np.asarray(A.indptr).astype(np.int64)

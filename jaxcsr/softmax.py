@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcsr.dtypes import accumulation_dtype
+from jaxcsr.dtypes import accumulation_dtype, as_numeric
 from jaxcsr.matrix import CSRMatrix, matmul
 from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE, Index
 from jaxcsr.structure import Layout, Structure
@@ -117,7 +117,7 @@ def edge_softmax(A: CSRMatrix, scores: Any) -> jax.Array:
     """
     if not isinstance(A, CSRMatrix):
         raise TypeError(f"A must be a jaxcsr.CSRMatrix, got {type(A).__name__}")
-    scores = jnp.asarray(scores)
+    scores = as_numeric(scores, "scores", floating=True)
     if scores.ndim == 0 or scores.shape[0] != A.nnz:
         raise ValueError(
             f"scores must have shape (nnz, ...) with nnz = A.nnz = {A.nnz}, got {scores.shape}"
@@ -141,9 +141,7 @@ def softmax_over_rows(
     :func:`jaxcsr.segment_softmax`). ``impl`` is forwarded to the row-sum products;
     ``name`` is what errors call ``scores``.
     """
-    scores = jnp.asarray(scores)
-    if not jnp.issubdtype(scores.dtype, jnp.floating):
-        raise TypeError(f"{name} must have a floating dtype, got {scores.dtype}")
+    scores = as_numeric(scores, name, floating=True)
     s = pattern.structure
     if not (s.one_per_column and s.layout.full):
         raise ValueError("pattern must have exactly one stored entry per column")

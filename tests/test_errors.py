@@ -124,3 +124,86 @@ def test_from_scipy_rejects_non_sparse():
         CSRMatrix.from_scipy(np.eye(3))
     with pytest.raises(ValueError, match=r"dense must be 2-D, got shape \(3,\)"):
         CSRMatrix.from_dense(np.ones(3))
+
+
+STRINGS = np.array(["a", "b", "c"])
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    [
+        (lambda A: A @ STRINGS, TypeError, "X must have a numeric dtype, got <U1"),
+        (lambda A: STRINGS[None] @ A.T, TypeError, "X must have a numeric dtype, got <U1"),
+        (lambda A: A.with_data(STRINGS), TypeError, "data must have a numeric dtype, got <U1"),
+        (
+            lambda A: CSRMatrix.from_indices([0, 1, 1], 2, data=STRINGS),
+            TypeError,
+            "data must have a numeric dtype, got <U1",
+        ),
+        (
+            lambda A: jaxcsr.segment_sum(STRINGS, np.array([0, 1, 1]), 2),
+            TypeError,
+            "data must have a numeric dtype, got <U1",
+        ),
+        (
+            lambda A: jaxcsr.segment_softmax(STRINGS, np.array([0, 1, 1]), 2),
+            TypeError,
+            "logits must have a floating dtype, got <U1",
+        ),
+        (
+            lambda A: jaxcsr.edge_softmax(A, STRINGS),
+            TypeError,
+            "scores must have a floating dtype, got <U1",
+        ),
+        (
+            lambda A: jaxcsr.sddmm(A, STRINGS[:2, None], np.ones((3, 1))),
+            TypeError,
+            "X must have a floating dtype, got <U1",
+        ),
+        (
+            lambda A: CSRMatrix.from_dense(STRINGS[None]),
+            TypeError,
+            "dense must have a numeric dtype, got <U1",
+        ),
+        (
+            lambda A: CSRMatrix.from_coo([0], [0], shape=(2**31, 2)),
+            ValueError,
+            r"shape\[0\] = 2147483648 needs 64-bit indices",
+        ),
+        (
+            lambda A: CSRMatrix.from_indices([0], 2**31 - 1),
+            ValueError,
+            "num_rows = 2147483647 needs 64-bit indices",
+        ),
+    ],
+)
+def test_bad_dtypes_and_sizes_are_named_before_any_work(call, error, match):
+    """Strings fail with the argument's name (not deep in JAX); sizes past int32
+    indices fail before anything is allocated (from_coo used to try 16-32 GiB)."""
+    A = CSRMatrix.from_indices(np.array([0, 1, 1]), 2)
+    with pytest.raises(error, match=match):
+        call(A)
+
+
+@pytest.mark.parametrize("dtype", [np.float16, jnp.bfloat16])
+def test_from_dense_keeps_16_bit_values(rng, dtype):
+    dense = rng.standard_normal((5, 7)) * (rng.random((5, 7)) < 0.4)
+    dense = np.asarray(dense, dtype)
+    A = CSRMatrix.from_dense(dense)
+    assert A.dtype == dtype and A.nnz == np.count_nonzero(dense != 0)
+    np.testing.assert_array_equal(np.asarray(A.todense(), np.float64), dense.astype(np.float64))
+    x = rng.standard_normal((7, 3)).astype(np.float32)
+    want = dense.astype(np.float64) @ x
+    np.testing.assert_allclose(np.asarray(A @ x, np.float64), want, rtol=1e-2, atol=1e-2)
+
+
+def test_shard_of_traced_values_says_what_to_do():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    A = CSRMatrix.from_coo(np.array([0, 1, 1]), np.array([1, 0, 1]), shape=(2, 2))
+
+    @jax.jit
+    def f(values):
+        return jaxcsr.shard(A.with_data(values), mesh, "d")
+
+    with pytest.raises(ValueError, match=r"A holds traced values.*outside jax\.jit"):
+        f(jnp.ones(3))
