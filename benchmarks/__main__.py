@@ -15,15 +15,13 @@ import os
 import platform
 import shlex
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
-import jax
-import numpy as np
-import scipy
+from benchmarks.catalog import PASSES, PEERS, WORKLOADS
 
-from benchmarks import measure, report, systems
-from benchmarks.datasets import load_graph
+# jax, numpy and the systems are imported in main(): `--help` answers at once.
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "latest"
 
@@ -45,35 +43,42 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument(
         "--graphs",
         type=_csv(str),
-        default=("tolokers",),
+        default="tolokers",
         help="embedded graph names (tolokers, musae_github, planetoid_pubmed, cora) "
         "or .npz paths, comma-separated",
     )
     p.add_argument(
         "--features",
         type=_csv(int),
-        default=(16, 64, 256),
+        default="16,64,256",
         help="feature widths N, comma-separated",
     )
     p.add_argument(
         "--dtypes",
         type=_csv(str),
-        default=("float32", "bfloat16"),
+        default="float32,bfloat16",
         help="comma-separated subset of float32,bfloat16",
     )
     p.add_argument(
         "--workloads",
         type=_csv(str),
-        default=systems.WORKLOADS,
-        help="comma-separated subset of " + ",".join(systems.WORKLOADS),
+        default=",".join(WORKLOADS),
+        help="comma-separated subset of " + ",".join(WORKLOADS),
     )
     p.add_argument(
         "--peers",
         type=_csv(str),
-        default=systems.PEERS,
-        help="comma-separated subset of " + ",".join(systems.PEERS),
+        default=",".join(PEERS),
+        help="comma-separated subset of " + ",".join(PEERS),
     )
     p.add_argument("--repeats", type=int, default=3, help="timed runs per system (median)")
+    p.add_argument(
+        "--budget",
+        type=float,
+        default=120.0,
+        help="seconds a system may take in one cell (first call included); past it, its "
+        "remaining runs are skipped and the cell reports it as timed out",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument(
@@ -82,12 +87,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="do not restart with GLIBC_TUNABLES=glibc.malloc.hugetlb=1 (see docs/benchmarks.md)",
     )
     p.add_argument(
-        "--quick", action="store_true", help="tiny smoke configuration (cora, N=8, f32, 1 run)"
+        "--quick",
+        action="store_true",
+        help="smoke run: cora, N=8, float32, 5 runs per system; checks that every system "
+        "runs and agrees -- its ratios are not the benchmark's",
     )
     args = p.parse_args(argv)
     if args.quick:
-        args.graphs, args.features, args.dtypes, args.repeats = ("cora",), (8,), ("float32",), 1
-    for name, allowed in (("peers", systems.PEERS), ("workloads", systems.WORKLOADS)):
+        args.graphs, args.features, args.dtypes = ("cora",), (8,), ("float32",)
+        args.repeats, args.budget = 5, min(args.budget, 30.0)
+    for name, allowed in (("peers", PEERS), ("workloads", WORKLOADS)):
         bad = set(getattr(args, name)) - set(allowed)
         if bad:
             p.error(f"unknown {name}: {sorted(bad)}; choose from {list(allowed)}")
@@ -100,6 +109,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def environment() -> dict[str, Any]:
+    import jax
+    import numpy as np
+    import scipy
+
     cpu = platform.processor() or platform.machine()
     try:
         with open("/proc/cpuinfo") as f:
@@ -127,12 +140,29 @@ def environment() -> dict[str, Any]:
     }
 
 
-def run_case(case: systems.Case, repeats: int) -> dict[str, Any]:
-    """Times every system of a case; peers are checked against jaxcsr's output first."""
+def _clock(seconds: float) -> str:
+    seconds = round(seconds)
+    return f"{seconds // 60}m{seconds % 60:02d}s"
+
+
+def run_case(case, repeats: int, budget_s: float, progress=None) -> dict[str, Any]:
+    """Times every system of a case; peers are checked against jaxcsr's output first.
+
+    A system whose first call takes longer than ``budget_s`` is reported as timed out
+    (no timing); one whose runs pass the budget keeps the runs it finished.
+    ``progress(name, seconds)`` is called after each system.
+    """
+    import numpy as np
+
+    from benchmarks import measure
+
     results: dict[str, Any] = {}
+    t0 = time.perf_counter()
     timing, out = measure.time_thunk(case.systems["jaxcsr"], repeats)
     reference = measure.to_numpy(out)
     results["jaxcsr"] = vars(timing)
+    if progress:
+        progress("jaxcsr", timing.median_s, time.perf_counter() - t0)
     tol = measure.TOLERANCE[case.dtype]
     if case.reference is not None:  # jaxcsr itself against float64 numpy/scipy
         err = measure.relative_error(reference, np.asarray(case.reference()))
@@ -140,8 +170,14 @@ def run_case(case: systems.Case, repeats: int) -> dict[str, Any]:
     for name, thunk in case.systems.items():
         if name == "jaxcsr":
             continue
+        t0 = time.perf_counter()
         try:
-            timing, out = measure.time_thunk(thunk, repeats)
+            timing, out = measure.time_thunk(thunk, repeats, budget_s=budget_s)
+        except measure.TimedOutError as err:
+            results[name] = {"error": f"timed out: {err}"}
+            if progress:
+                progress(name, None, time.perf_counter() - t0)
+            continue
         except Exception as err:  # a peer that cannot run this cell is reported, not fatal
             results[name] = {"error": f"{type(err).__name__}: {str(err)[:200]}"}
             continue
@@ -149,12 +185,19 @@ def run_case(case: systems.Case, repeats: int) -> dict[str, Any]:
         got = case.to_reference.get(name, lambda y: y)(got)
         err = measure.relative_error(got, reference)
         results[name] = {**vars(timing), "rel_error": err, "mismatch": not err <= tol}
+        if progress:
+            progress(name, timing.median_s, time.perf_counter() - t0)
         del out, got
     return results
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    import numpy as np
+
+    from benchmarks import measure, report, systems
+    from benchmarks.datasets import load_graph
+
     env = environment()
     print(
         f"jaxcsr benchmark on {env['cpu']} ({env['cpu_count']} cores), jax {env['jax']}, "
@@ -167,15 +210,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     rng = np.random.default_rng(args.seed)
     rows: list[dict[str, Any]] = []
     per_graph = len(args.features) * len(args.dtypes)
-    passes = {
-        "segment": 2,
-        "last_axis": 2,
-        "spmm": 3,
-        "segment_mean": 2,
-        "segment_max": 2,
-        "segment_softmax": 2,
-    }
-    total = len(args.graphs) * per_graph * sum(passes[w] for w in args.workloads)
+    total = len(args.graphs) * per_graph * sum(PASSES[w] for w in args.workloads)
+    start = time.perf_counter()
+    if args.quick:
+        print("smoke run (--quick): ratios on cora at N=8 are not the benchmark's", file=sys.stderr)
+
+    def progress(name, median_s, spent_s):
+        shown = "timed out" if median_s is None else f"{median_s * 1e3:.2f} ms"
+        print(f"\n      {name:<21} {shown:>10}  ({spent_s:.1f} s)", end="", file=sys.stderr)
+
     for graph_name in args.graphs:
         graph = load_graph(graph_name)
         for dtype in args.dtypes:
@@ -184,12 +227,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     graph, n, dtype, peers=args.peers, workloads=args.workloads, rng=rng
                 )
                 for case in cases:
+                    elapsed = time.perf_counter() - start
+                    eta = elapsed / len(rows) * (total - len(rows)) if rows else None
                     label = (
                         f"[{len(rows) + 1:>3}/{total}] {graph.name} {case.workload} "
-                        f"{case.pass_} N={n} {dtype}"
+                        f"{case.pass_} N={n} {dtype}  (elapsed {_clock(elapsed)}, "
+                        f"ETA {'?' if eta is None else _clock(eta)})"
                     )
-                    print(label + " ...", end="", flush=True, file=sys.stderr)
-                    res = run_case(case, args.repeats)
+                    print(label, end="", flush=True, file=sys.stderr)
+                    res = run_case(case, args.repeats, args.budget, progress)
                     floor_s = case.floor_bytes / (bw["copy_gbps"] * 1e9)
                     rows.append(
                         {
@@ -213,13 +259,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         ),
                         default=None,
                     )
-                    msg = f" jaxcsr {res['jaxcsr']['median_s'] * 1e3:.2f} ms"
+                    msg = f"\n      jaxcsr {res['jaxcsr']['median_s'] * 1e3:.2f} ms"
                     if best is not None:
                         msg += f", best peer {best * 1e3:.2f} ms"
                     print(msg, file=sys.stderr)
                     del case
                     gc.collect()
-    shown = ["jaxcsr", *[p for p in systems.PEERS if any(p in r["systems"] for r in rows)]]
+    print(f"all cells in {_clock(time.perf_counter() - start)}", file=sys.stderr)
+    shown = ["jaxcsr", *[p for p in PEERS if any(p in r["systems"] for r in rows)]]
     result = {
         "date": datetime.date.today().isoformat(),
         "command": "python -m benchmarks "
@@ -229,6 +276,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "rows": rows,
     }
+    if args.quick:
+        print("SMOKE RUN (--quick): checks every system, not a benchmark; see docs/benchmarks.md")
     print(report.table(rows, shown, markdown=False))
     print(report.LEGEND.replace("`", ""))
     failed = report.errors(rows)

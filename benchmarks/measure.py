@@ -26,18 +26,39 @@ class Timing:
     runs: int
 
 
-def time_thunk(thunk: Callable[[], Any], repeats: int, warmup: int = 1) -> tuple[Timing, Any]:
-    """Times ``thunk()``: first call (compile) apart, warm-up excluded, ``repeats`` runs."""
+class TimedOutError(Exception):
+    """A system's first call ran past its time budget (:func:`time_thunk`)."""
+
+
+def time_thunk(
+    thunk: Callable[[], Any], repeats: int, warmup: int = 1, budget_s: float | None = None
+) -> tuple[Timing, Any]:
+    """Times ``thunk()``: first call (compile) apart, warm-up excluded, ``repeats`` runs.
+
+    With ``budget_s``: a first call slower than the budget raises :class:`TimedOutError`;
+    otherwise runs stop once the budget is spent (``Timing.runs`` says how many ran,
+    at least one).
+    """
     t0 = time.perf_counter()
     out = _sync(thunk())
     first = time.perf_counter() - t0
+    if budget_s is not None and first > budget_s:
+        raise TimedOutError(f"first call took {first:.0f} s, past the {budget_s:.0f} s budget")
+    spent = first
     for _ in range(warmup):
+        if budget_s is not None and spent + first > budget_s:
+            break
+        t0 = time.perf_counter()
         _sync(thunk())
-    times = []
+        spent += time.perf_counter() - t0
+    times: list[float] = []
     for _ in range(repeats):
+        if times and budget_s is not None and spent > budget_s:
+            break
         t0 = time.perf_counter()
         _sync(thunk())
         times.append(time.perf_counter() - t0)
+        spent += times[-1]
     t = np.asarray(times)
     timing = Timing(
         first, float(np.median(t)), float(np.percentile(t, 10)), float(np.percentile(t, 90)), len(t)

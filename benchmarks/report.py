@@ -15,7 +15,8 @@ LEGEND = (
     "floor bytes / jaxcsr's time; `x floor` = jaxcsr's time / floor; `!` = the peer's "
     "output differs from jaxcsr's beyond the tolerance (after jaxcsr's time: jaxcsr's "
     "differs from the float64 numpy/scipy reference); `error` = the peer cannot run "
-    "the cell (reasons below the table); `-` = not applicable."
+    "the cell, `timed out` = its first call ran past the per-cell budget (`--budget`; "
+    "reasons below the table); `-` = not applicable."
 )
 
 # One colour and marker per system, the same in every panel.
@@ -43,7 +44,7 @@ def _cell(row: dict[str, Any], system: str) -> str:
     if r is None:
         return "-"
     if r.get("error"):
-        return "error"
+        return "timed out" if r["error"].startswith("timed out") else "error"
     text = _fmt_ms(r["median_s"])
     if system == "jaxcsr" and r.get("mismatch"):
         return text + " !"  # differs from the float64 reference
@@ -185,6 +186,9 @@ def _plot(rows, systems, path: Path, plt) -> None:
                     handles.setdefault(system, line)
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xscale("log", base=2)
+        widths = sorted({r["n_features"] for r in rows})
+        ax.set_xticks(widths, [str(n) for n in widths])  # 16, 64, 256 -- not 2^4 ...
+        ax.xaxis.set_minor_locator(plt.NullLocator())
         ax.set_yscale("log")
         ax.set_title(f"{workload} {pass_}", fontsize=10)
         ax.set_xlabel("N (features)")

@@ -52,17 +52,6 @@ try:
 except ImportError:  # optional extra
     torch = None
 
-PEERS = (
-    "segment_sum",
-    "segment_sum_sorted",
-    "bcsr",
-    "bcoo",
-    "scipy",
-    "torch_index_add",
-    "torch_scatter_reduce",
-    "torch_sparse_csr",
-)
-WORKLOADS = ("segment", "spmm", "last_axis", "segment_mean", "segment_max", "segment_softmax")
 INDEX_BYTES = 4
 
 
@@ -90,14 +79,21 @@ def _f64(x: Any) -> np.ndarray:
     return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
 
 
-def _vjp(f: Callable, primal: Any) -> Callable:
-    """A jitted function of the cotangent that runs only ``f``'s backward pass."""
-    return jax.jit(lambda p, ct: jax.vjp(f, p)[1](ct)[0])
+# Every JAX system takes its index arrays (a matrix, segment ids) as a jit argument, as
+# in a training step that receives its graph: closed over, they would be XLA constants,
+# and XLA constant-folds gathers of constants at compile time (minutes for BCSR's
+# backward on tolokers), which no user sees.
+
+
+def _vjp(f: Callable) -> Callable:
+    """A jitted ``(primal, ct, operand) -> cotangent`` running only ``f(primal, operand)``'s
+    backward pass."""
+    return jax.jit(lambda p, ct, op: jax.vjp(lambda p: f(p, op), p)[1](ct)[0])
 
 
 def _data_vjp(f: Callable) -> Callable:
-    """A jitted ``(values, x, ct) -> cotangent of values`` of ``f(values, x)``."""
-    return jax.jit(lambda d, x, ct: jax.vjp(lambda d: f(d, x), d)[1](ct)[0])
+    """A jitted ``(values, x, ct, operand) -> cotangent of values`` of ``f(values, x, op)``."""
+    return jax.jit(lambda d, x, ct, op: jax.vjp(lambda d: f(d, x, op), d)[1](ct)[0])
 
 
 def _bind(fn: Callable, *args: Any) -> Callable[[], Any]:
@@ -114,14 +110,23 @@ class _Edges(NamedTuple):
     unsort: np.ndarray  # its inverse, mapping sorted-order outputs back
 
 
-def _edge_passes(f: dict, fsorted: Callable, edges: _Edges, ct, ct_sorted) -> tuple[dict, dict]:
-    """Forward and backward thunks of edge-input systems; the sorted peer gets sorted inputs."""
-    x, xs = edges.values, edges.sorted_values
-    fwd = {k: _bind(jax.jit(fn), x) for k, fn in f.items()}
-    fwd["segment_sum_sorted"] = _bind(jax.jit(fsorted), xs)
-    bwd = {k: _bind(_vjp(fn, x), x, ct) for k, fn in f.items()}
-    bwd["segment_sum_sorted"] = _bind(_vjp(fsorted, xs), xs, ct_sorted)
+def _passes(f: dict, operands: dict, x, ct) -> tuple[dict, dict]:
+    """Forward and backward thunks of ``f[name](x, operands[name])`` (operands passed to
+    ``jit`` as arguments)."""
+    fwd = {k: _bind(jax.jit(fn), x, operands.get(k)) for k, fn in f.items()}
+    bwd = {k: _bind(_vjp(fn), x, ct, operands.get(k)) for k, fn in f.items()}
     return fwd, bwd
+
+
+def _edge_passes(
+    f: dict, fsorted: Callable, operands: dict, edges: _Edges, ct, ct_sorted
+) -> tuple[dict, dict]:
+    """:func:`_passes` for edge-input systems; the sorted peer gets sorted inputs."""
+    fwd, bwd = _passes(f, operands, edges.values, ct)
+    sorted_fwd, sorted_bwd = _passes(
+        {"segment_sum_sorted": fsorted}, operands, edges.sorted_values, ct_sorted
+    )
+    return {**fwd, **sorted_fwd}, {**bwd, **sorted_bwd}
 
 
 def _torch_dtype(dtype: np.dtype):
@@ -184,6 +189,7 @@ def build_cases(
     seg_scipy = sp.csr_array((np.ones(E, np.float32), (graph.dst, np.arange(E))), shape=(V, E))
     seg_scipy_t = seg_scipy.T.tocsr()
     A = CSRMatrix.from_indices(graph.dst, num_rows=V)
+    operands = {"jaxcsr": A, "segment_sum": dst, "segment_sum_sorted": dst_sorted}
 
     if workloads_need_messages(workloads):
         msgs_np = rng.uniform(-1, 1, (E, N)).astype(np.float32)
@@ -195,13 +201,13 @@ def build_cases(
     if "segment" in workloads:
         bcsr, bcoo = jax_sparse_twins(seg_scipy, dtype)
         f = {
-            "jaxcsr": lambda m: A @ m,
-            "segment_sum": lambda m: jax.ops.segment_sum(m, dst, V),
-            "bcsr": lambda m: bcsr @ m,
-            "bcoo": lambda m: bcoo @ m,
+            "jaxcsr": lambda m, A: A @ m,
+            "segment_sum": lambda m, ids: jax.ops.segment_sum(m, ids, V),
+            "bcsr": lambda m, mat: mat @ m,
+            "bcoo": lambda m, mat: mat @ m,
         }
-        fsorted = lambda m: jax.ops.segment_sum(m, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
-        fwd, bwd = _edge_passes(f, fsorted, edges, ct, ct)
+        fsorted = lambda m, ids: jax.ops.segment_sum(m, ids, V, indices_are_sorted=True)  # noqa: E731
+        fwd, bwd = _edge_passes(f, fsorted, {**operands, "bcsr": bcsr, "bcoo": bcoo}, edges, ct, ct)
         if dtype == np.float32:
             fwd["scipy"] = _bind(seg_scipy.__matmul__, msgs_np)
             bwd["scipy"] = _bind(seg_scipy_t.__matmul__, ct_np)
@@ -229,26 +235,22 @@ def build_cases(
 
     if "segment_softmax" in workloads:
         ct_e = jnp.asarray(rng.uniform(-1, 1, (E, N)), dtype)
-        yield from _softmax_cases(case, graph, dst, dst_sorted, edges, ct_e, dtype, use_torch)
+        yield from _softmax_cases(case, graph, operands, edges, ct_e, dtype, use_torch)
 
     for reduce in ("mean", "max"):
         if f"segment_{reduce}" in workloads:
-            yield from _reduce_cases(
-                case, reduce, A, graph, dst, dst_sorted, edges, ct, dtype, use_torch
-            )
+            yield from _reduce_cases(case, reduce, graph, operands, edges, ct, dtype, use_torch)
 
     if "last_axis" in workloads:
         vals = msgs.T  # (N, E)
         vals_np = np.ascontiguousarray(msgs_np.T)
         ct_t = ct.T
         vals, ct_t = jnp.asarray(vals), jnp.asarray(ct_t)
-        A_T = A.T
         f = {
-            "jaxcsr": lambda v: v @ A_T,
-            "segment_sum": lambda v: jnp.zeros((N, V), v.dtype).at[:, dst].add(v),
+            "jaxcsr": lambda v, A_T: v @ A_T,
+            "segment_sum": lambda v, ids: jnp.zeros((N, V), v.dtype).at[:, ids].add(v),
         }
-        fwd = {k: _bind(jax.jit(fn), vals) for k, fn in f.items()}
-        bwd = {k: _bind(_vjp(fn, vals), vals, ct_t) for k, fn in f.items()}
+        fwd, bwd = _passes(f, {"jaxcsr": A.T, "segment_sum": dst}, vals, ct_t)
         if dtype == np.float32:
             fwd["scipy"] = _bind(seg_scipy_t.__rmatmul__, vals_np)
             bwd["scipy"] = _bind(seg_scipy.__rmatmul__, np.ascontiguousarray(ct_np.T))
@@ -282,16 +284,22 @@ def build_cases(
         bcsr, bcoo = jax_sparse_twins(adj, dtype)
         adj_t = adj.T.tocsr()
         f = {
-            "jaxcsr": lambda x: B @ x,
-            "segment_sum": lambda x: jax.ops.segment_sum(w_u[:, None] * x[col_u], row_u, V),
-            "segment_sum_sorted": lambda x: jax.ops.segment_sum(
-                w[:, None] * x[col], row, V, indices_are_sorted=True
+            "jaxcsr": lambda x, B: B @ x,
+            "segment_sum": lambda x, op: jax.ops.segment_sum(op[0][:, None] * x[op[1]], op[2], V),
+            "segment_sum_sorted": lambda x, op: jax.ops.segment_sum(
+                op[0][:, None] * x[op[1]], op[2], V, indices_are_sorted=True
             ),
-            "bcsr": lambda x: bcsr @ x,
-            "bcoo": lambda x: bcoo @ x,
+            "bcsr": lambda x, mat: mat @ x,
+            "bcoo": lambda x, mat: mat @ x,
         }
-        fwd = {k: _bind(jax.jit(fn), x) for k, fn in f.items()}
-        bwd = {k: _bind(_vjp(fn, x), x, ct) for k, fn in f.items()}
+        spmm_operands = {
+            "jaxcsr": B,
+            "segment_sum": (w_u, col_u, row_u),
+            "segment_sum_sorted": (w, col, row),
+            "bcsr": bcsr,
+            "bcoo": bcoo,
+        }
+        fwd, bwd = _passes(f, spmm_operands, x, ct)
         if dtype == np.float32:
             fwd["scipy"] = _bind(adj.__matmul__, x_np)
             bwd["scipy"] = _bind(adj_t.__matmul__, ct_np)
@@ -319,12 +327,12 @@ def build_cases(
         # a peer's gather X[col] would be constant-folded at compile time.
         data = B.data
         g = {
-            "jaxcsr": lambda d, x: B.with_data(d) @ x,
-            "segment_sum_sorted": lambda d, x: jax.ops.segment_sum(
-                d[:, None] * x[col], row, V, indices_are_sorted=True
+            "jaxcsr": lambda d, x, B: B.with_data(d) @ x,
+            "segment_sum_sorted": lambda d, x, op: jax.ops.segment_sum(
+                d[:, None] * x[op[1]], op[2], V, indices_are_sorted=True
             ),
         }
-        bwd_data = {k: _bind(_data_vjp(fn), data, x, ct) for k, fn in g.items()}
+        bwd_data = {k: _bind(_data_vjp(fn), data, x, ct, spmm_operands[k]) for k, fn in g.items()}
         io = 2 * V * N * b + nnz * (2 * INDEX_BYTES + b)
         rows_csr = np.repeat(np.arange(V), np.diff(adj.indptr))
 
@@ -348,17 +356,21 @@ def _jax_ops_softmax(x, ids, num_segments, *, indices_are_sorted=False):
     return e / jax.ops.segment_sum(e, ids, num_segments, **kw)[ids]
 
 
-def _softmax_cases(case, graph, dst, dst_sorted, edges: _Edges, ct_e, dtype, use_torch):
-    """``segment_softmax`` cells: fwd and bwd, outputs per edge (input order)."""
+def _softmax_cases(case, graph, operands, edges: _Edges, ct_e, dtype, use_torch):
+    """``segment_softmax`` cells: fwd and bwd, outputs per edge (input order).
+
+    jaxcsr's ``segment_softmax`` takes host segment ids (its signature): its planned
+    matrix is a constant of the jitted function, whose products keep their indices
+    constant anyway (see ``jaxcsr.ops.opaque``)."""
     V, E = graph.num_nodes, graph.num_edges
     N = edges.values.shape[1]
     ids = graph.dst
     f = {
-        "jaxcsr": lambda x: jaxcsr.segment_softmax(x, ids, V),
-        "segment_sum": lambda x: _jax_ops_softmax(x, dst, V),
+        "jaxcsr": lambda x, _: jaxcsr.segment_softmax(x, ids, V),
+        "segment_sum": lambda x, dst: _jax_ops_softmax(x, dst, V),
     }
-    fsorted = lambda x: _jax_ops_softmax(x, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
-    fwd, bwd = _edge_passes(f, fsorted, edges, ct_e, ct_e[edges.order])
+    fsorted = lambda x, dst: _jax_ops_softmax(x, dst, V, indices_are_sorted=True)  # noqa: E731
+    fwd, bwd = _edge_passes(f, fsorted, operands, edges, ct_e, ct_e[edges.order])
     if use_torch:
         tm = _to_torch(edges.host, dtype)
         tdst = torch.from_numpy(graph.dst)
@@ -397,7 +409,7 @@ def _softmax_cases(case, graph, dst, dst_sorted, edges: _Edges, ct_e, dtype, use
 
 
 def _reduce_cases(
-    case, reduce, A, graph, dst, dst_sorted, edges: _Edges, ct, dtype, use_torch
+    case, reduce, graph, operands, edges: _Edges, ct, dtype, use_torch
 ) -> Iterator[Case]:
     """``segment_mean`` / ``segment_max`` cells: fwd and bwd (dense operand)."""
     V, E = graph.num_nodes, graph.num_edges
@@ -411,22 +423,22 @@ def _reduce_cases(
 
     if reduce == "mean":
         f = {
-            "jaxcsr": lambda m: jaxcsr.matmul(A, m, reduce="mean"),
-            "segment_sum": lambda m: by_degree(jax.ops.segment_sum(m, dst, V)),
+            "jaxcsr": lambda m, A: jaxcsr.matmul(A, m, reduce="mean"),
+            "segment_sum": lambda m, dst: by_degree(jax.ops.segment_sum(m, dst, V)),
         }
-        fsorted = lambda m: by_degree(  # noqa: E731
-            jax.ops.segment_sum(m, dst_sorted, V, indices_are_sorted=True)
+        fsorted = lambda m, dst: by_degree(  # noqa: E731
+            jax.ops.segment_sum(m, dst, V, indices_are_sorted=True)
         )
         fix = {}
     else:
         f = {
-            "jaxcsr": lambda m: jaxcsr.matmul(A, m, reduce="max"),
-            "segment_sum": lambda m: jax.ops.segment_max(m, dst, V),
+            "jaxcsr": lambda m, A: jaxcsr.matmul(A, m, reduce="max"),
+            "segment_sum": lambda m, dst: jax.ops.segment_max(m, dst, V),
         }
-        fsorted = lambda m: jax.ops.segment_max(m, dst_sorted, V, indices_are_sorted=True)  # noqa: E731
+        fsorted = lambda m, dst: jax.ops.segment_max(m, dst, V, indices_are_sorted=True)  # noqa: E731
         zero_empty = lambda y: np.where(empty[:, None], 0, y)  # noqa: E731
         fix = {"segment_sum": zero_empty, "segment_sum_sorted": zero_empty}
-    fwd, bwd = _edge_passes(f, fsorted, edges, ct, ct)
+    fwd, bwd = _edge_passes(f, fsorted, operands, edges, ct, ct)
     if use_torch:
         tm = _to_torch(edges.host, dtype)
         tdst_x = torch.from_numpy(graph.dst)[:, None].expand(E, N)
