@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ from jax.sharding import PartitionSpec as P
 from jaxcsr import plan
 from jaxcsr.matrix import CSRMatrix, matmul
 
-__all__ = ["ShardedCSR", "balanced_row_blocks", "shard"]
+__all__ = ["ShardedCSR", "balanced_row_blocks", "block_capacity", "shard"]
 
 BALANCES = ("nnz", "rows")
 
@@ -102,31 +102,72 @@ def _rows_per_part(m: int, parts: int) -> int:
     return max(1, -(-m // parts))
 
 
+def block_capacity(size: int, base: float, steps_per_octave: int) -> int:
+    """The smallest ``ceil(base * 2 ** (j / steps_per_octave))``, ``j >= 0``, that holds
+    ``size``.
+
+    ``base`` follows from the shape, nnz and shard count alone (the balanced block), so
+    matrices of equal shape, nnz and shard count whose blocks fit the balanced size
+    get equal capacities -- one compilation -- and others take one of a few steps
+    (``steps_per_octave`` per doubling of the largest block)."""
+    base = max(float(base), 1.0)
+    size, capacity, j = int(size), int(np.ceil(base)), 0
+    while capacity < size:
+        j += 1
+        capacity = int(np.ceil(base * 2 ** (j / steps_per_octave)))
+    return capacity
+
+
+NNZ_STEPS = 4
+"""Capacity steps per doubling of the largest block's nonzeros (at most 19 % padding
+past the balanced size ``SLACK * nnz / shards``)."""
+ROW_STEPS = 2
+"""Capacity steps per doubling of the largest block's rows (empty padding rows only
+cost zeros in the block's output)."""
+ROW_BASE = 1.25
+"""The first row capacity, a multiple of the even split's ``ceil(m / shards)``: block
+boundaries balanced by nonzeros stay near the even split when they can."""
+
+
 @dataclasses.dataclass(frozen=True)
 class _Plan:
-    """Static description of a sharded matrix (hashable: part of the pytree)."""
+    """Static description of a sharded matrix (hashable: part of the pytree).
+
+    Holds only what the traced product reads: capacities, not the structure's own
+    block sizes (those are device leaves, :class:`_Layout`), so matrices whose blocks
+    fall into the same capacities share one compilation."""
 
     mesh: Any
     axis: str
-    shape: tuple[int, int]
+    shape: tuple[int, int]  # (m, columns): A's columns (spmm) or shards * block_cols
     form: str  # "segment" or "spmm"
     balance: str
-    row_starts: tuple[int, ...]
-    block_nnz: tuple[int, ...]
-    block_rows: int  # rows per block, without the trash row
-    block_cols: int  # columns per block: K_b (segment) or n (spmm)
-    shifts: tuple[int, ...]  # device offsets of the output relayout (0: local)
+    block_rows: int  # row capacity per block, without the trash row
+    block_cols: int  # columns per block: the nonzero capacity K_b (segment) or n (spmm)
+    shifts: tuple[int, ...]  # device offsets of the output relayout: -d..d (0: local)
     aligned: bool  # blocks are the even row split: no relayout
     index_tree: Any
     has_data: bool
 
 
-class _HostLayout:
-    """Host permutations of a sharded matrix (compared by identity in the pytree)."""
+class _Layout(NamedTuple):
+    """Where the structure's rows and entries went (device leaves, not static: they
+    differ between structures that share a compilation). Read on the host through
+    :class:`ShardedCSR`'s properties."""
 
-    def __init__(self, input_order: np.ndarray, data_order: np.ndarray):
-        self.input_order = input_order
-        self.data_order = data_order
+    row_starts: jax.Array  # (shards + 1,) first row of each block, replicated
+    block_nnz: jax.Array  # (shards,) nonzeros of each block, replicated
+    input_order: jax.Array  # (shards * K_b,) input position per laid-out column, -1: pad
+    data_order: jax.Array  # (shards * K_b,) position in A.data per laid-out value, -1: pad
+
+
+def _on_host(leaf: Any, name: str) -> np.ndarray:
+    if isinstance(leaf, jax.core.Tracer):
+        raise ValueError(
+            f"S.{name} is host metadata of the sharded layout; read it outside jax.jit "
+            "(inside, S's layout arrays are traced)"
+        )
+    return np.asarray(leaf)
 
 
 @jax.tree_util.register_pytree_node_class
@@ -138,23 +179,22 @@ class ShardedCSR:
     outside ``jax.jit``, differentiable w.r.t. ``x`` and the values.
     """
 
-    def __init__(self, index_leaves, data, send, recv, plan_: _Plan, host: _HostLayout):
+    def __init__(self, index_leaves, data, send, recv, layout: _Layout, plan_: _Plan):
         self._index_leaves = tuple(index_leaves)
         self._data = data
         self._send = send
         self._recv = recv
         self._plan = plan_
-        self._host = host
+        self._layout = layout
 
     # ------------------------------------------------------------------ pytree
     def tree_flatten(self):
-        children = (self._index_leaves, self._data, self._send, self._recv)
-        return children, (self._plan, self._host)
+        children = (self._index_leaves, self._data, self._send, self._recv, self._layout)
+        return children, self._plan
 
     @classmethod
-    def tree_unflatten(cls, aux, children):
-        leaves, data, send, recv = children
-        return cls(leaves, data, send, recv, *aux)
+    def tree_unflatten(cls, plan_, children):
+        return cls(*children, plan_)
 
     # -------------------------------------------------------------- properties
     @property
@@ -173,7 +213,7 @@ class ShardedCSR:
 
     @property
     def num_shards(self) -> int:
-        return len(self._plan.row_starts) - 1
+        return self._layout.block_nnz.shape[0]
 
     @property
     def form(self) -> str:
@@ -182,18 +222,19 @@ class ShardedCSR:
 
     @property
     def row_starts(self) -> tuple[int, ...]:
-        """First row of each device's block (and ``m``)."""
-        return self._plan.row_starts
+        """First row of each device's block (and ``m``). Host metadata: outside ``jit``."""
+        return tuple(int(r) for r in _on_host(self._layout.row_starts, "row_starts"))
 
     @property
     def block_nnz(self) -> tuple[int, ...]:
-        """Nonzeros of each device's block."""
-        return self._plan.block_nnz
+        """Nonzeros of each device's block (at most the capacity, ``shape[1] /
+        num_shards`` in the segment form). Host metadata: outside ``jit``."""
+        return tuple(int(k) for k in _on_host(self._layout.block_nnz, "block_nnz"))
 
     @property
     def imbalance(self) -> float:
         """``max / mean`` nonzeros per shard (1.0: perfect; 1.0 for an empty matrix)."""
-        nnz = np.array(self._plan.block_nnz, np.float64)
+        nnz = np.array(self.block_nnz, np.float64)
         return float(nnz.max() / nnz.mean()) if nnz.sum() else 1.0
 
     @property
@@ -217,14 +258,16 @@ class ShardedCSR:
         """Segment form: for each laid-out column, the input position (``idx`` index)
         of its edge, ``-1`` for padding. Put per-edge arrays in this order once, on
         the host (:meth:`layout_values`)."""
-        return self._host.input_order
+        return _on_host(self._layout.input_order, "input_order")
 
     @property
     def data_order(self) -> np.ndarray:
         """For each laid-out value, its position in ``A.data`` (``-1``: padding)."""
-        return self._host.data_order
+        return _on_host(self._layout.data_order, "data_order")
 
     def __repr__(self) -> str:
+        if isinstance(self._layout.block_nnz, jax.core.Tracer):
+            return f"ShardedCSR(shape={self.shape}, form={self.form!r}, traced layout)"
         return (
             f"ShardedCSR(shape={self.shape}, form={self.form!r}, shards={self.num_shards} "
             f"along {self.axis!r}, balance={self._plan.balance!r}, nnz per shard "
@@ -255,11 +298,11 @@ class ShardedCSR:
     def with_data(self, data: Any) -> ShardedCSR:
         """Same structure, new laid-out values ``(len(S.data_order),)`` (may be traced)."""
         data = jnp.asarray(data)
-        size = len(self.data_order)
+        size = self._layout.data_order.shape[0]
         if data.shape != (size,):
             raise ValueError(f"data must have shape ({size},) (laid out), got {data.shape}")
         plan_ = dataclasses.replace(self._plan, has_data=True)
-        return ShardedCSR(self._index_leaves, data, self._send, self._recv, plan_, self._host)
+        return ShardedCSR(self._index_leaves, data, self._send, self._recv, self._layout, plan_)
 
     # ------------------------------------------------------------- products
     def __matmul__(self, x: Any) -> jax.Array:
@@ -280,7 +323,7 @@ class ShardedCSR:
         itemsize = np.dtype(dtype).itemsize
         shards, (m, n) = self.num_shards, self.shape
         gather = 0 if self.form == "segment" else (shards - 1) * -(-n // shards)
-        rows = _relayout_rows(self._plan.row_starts, m)
+        rows = _relayout_rows(self.row_starts, m)
         return {
             "gather_x": gather * n_features * itemsize,
             "relayout": int(rows.max(initial=0)) * n_features * itemsize,
@@ -357,8 +400,15 @@ def shard(
     else:
         starts = _even_row_blocks(m, shards)
     block_nnz = indptr[starts[1:]] - indptr[starts[:-1]]
-    block_rows = int(np.diff(starts).max(initial=0))
-    k_b = int(block_nnz.max(initial=0))
+    rows = _rows_per_part(m, shards)
+    if balance == "rows":  # the even split: its row count follows the shape alone
+        block_rows = rows
+    else:
+        most = np.diff(starts).max(initial=0)
+        block_rows = min(block_capacity(most, ROW_BASE * rows, ROW_STEPS), max(m, most))
+    balanced_nnz = int(np.ceil(SLACK * A.nnz / shards))
+    largest = int(block_nnz.max(initial=0))
+    k_b = min(block_capacity(largest, balanced_nnz, NNZ_STEPS), max(A.nnz, largest))
     from_indices = A._input_order_is_columns and A.structure.one_per_column
     segment = from_indices if form is None else form == "segment"
     if segment and not A.structure.one_per_column:
@@ -398,19 +448,24 @@ def shard(
     else:
         input_order = np.full(shards * k_b, -1, np.int64)
         columns = n
+    replicated = NamedSharding(mesh, P())
+    layout = _Layout(
+        row_starts=jax.device_put(starts.astype(np.int32), replicated),
+        block_nnz=jax.device_put(block_nnz.astype(np.int32), replicated),
+        input_order=jax.device_put(input_order.astype(np.int32), sharding),
+        data_order=jax.device_put(data_order.ravel().astype(np.int32), sharding),
+    )
     laid_data = None
     if data is not None:
         padded = np.where(data_order >= 0, data[np.maximum(data_order, 0)], 0).ravel()
         laid_data = jax.device_put(padded.astype(data.dtype), sharding)
-    send, recv, shifts, aligned = _relayout_plan(starts, m, block_rows, shards)
+    send, recv, shifts, aligned = _relayout_plan(starts, m, block_rows, shards, balance)
     plan_ = _Plan(
         mesh=mesh,
         axis=axis,
         shape=(m, columns),
         form="segment" if segment else "spmm",
         balance=balance,
-        row_starts=tuple(int(s) for s in starts),
-        block_nnz=tuple(int(k) for k in block_nnz),
         block_rows=block_rows,
         block_cols=k_b if segment else n,
         shifts=shifts,
@@ -422,11 +477,10 @@ def shard(
         send, recv = jax.device_put(send, sharding), jax.device_put(recv, sharding)
     else:
         send = recv = None
-    host = _HostLayout(input_order, data_order.ravel())
-    return ShardedCSR(leaves, laid_data, send, recv, plan_, host)
+    return ShardedCSR(leaves, laid_data, send, recv, layout, plan_)
 
 
-def _relayout_plan(starts, m, block_rows, shards):
+def _relayout_plan(starts, m, block_rows, shards, balance):
     """Which block rows go to which device's part of the even split, per shift.
 
     Returns ``(send (P, D, W), recv (P, D, W), shifts, aligned)``: for shift ``d``,
@@ -436,13 +490,15 @@ def _relayout_plan(starts, m, block_rows, shards):
     """
     rows = _rows_per_part(m, shards)
     pairs = _overlaps(starts, m)
-    shifts = tuple(sorted({q - p for p, q in pairs} | {0}))
-    aligned = (
-        shifts == (0,)
-        and block_rows == rows
-        and all(pairs.get((p, p), (0, 0))[0] == starts[p] for p in range(shards))
-    )
-    width = max([hi - lo for lo, hi in pairs.values()], default=1)
+    # Static choices that follow the structure take few values: the even split is
+    # aligned (no relayout); otherwise the reach rounds up to a power of two and the
+    # message width to a capacity step.
+    aligned = balance == "rows" and block_rows == rows
+    reach = max((abs(q - p) for p, q in pairs), default=0)
+    reach = 0 if aligned else 1 << max(reach - 1, 0).bit_length()
+    shifts = tuple(range(-min(reach, shards - 1), min(reach, shards - 1) + 1))
+    widest = max([hi - lo for lo, hi in pairs.values()], default=1)
+    width = block_capacity(widest, ROW_BASE * rows, ROW_STEPS)
     send = np.full((shards, len(shifts), width), block_rows, np.int32)
     recv = np.full((shards, len(shifts), width), rows, np.int32)
     for (p, q), (lo, hi) in pairs.items():
@@ -476,7 +532,7 @@ def _sharded_function(pl_: _Plan, reduce: str, return_arg: bool):
     """The jitted ``shard_map`` of one plan and reduction (cached: eager calls compile
     once; inside an outer ``jit`` it is inlined)."""
     axis = pl_.axis
-    shards, (m, _) = len(pl_.row_starts) - 1, pl_.shape
+    shards, (m, _) = int(pl_.mesh.shape[pl_.axis]), pl_.shape
     specs = [P(axis) if pl_.form == "segment" else P()]
     specs += [P(axis)] * pl_.index_tree.num_leaves
     specs += [P(axis)] * pl_.has_data + [P(axis), P(axis)] * (not pl_.aligned)
@@ -541,7 +597,7 @@ def _relayout(block_out, send, recv, plan_: _Plan, rows: int):
     """A block's rows -> this device's part of the even row split (ppermute halo)."""
     if plan_.aligned:
         return block_out[:rows]
-    shards = len(plan_.row_starts) - 1
+    shards = int(plan_.mesh.shape[plan_.axis])
     out = jnp.zeros((rows, *block_out.shape[1:]), block_out.dtype)
     for i, shift in enumerate(plan_.shifts):
         buf = block_out[send[i]]

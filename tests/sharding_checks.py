@@ -199,6 +199,75 @@ def check_gcn():
         assert many["test_accuracy"] >= 0.70
 
 
+def _structures(M, K, balanced):
+    """20 segment-id arrays of length K over M rows with different degree distributions.
+
+    balanced: uniform, and power laws of exponent 0-0.6 over permuted rows -- blocks
+    that fit the balanced capacities. Otherwise: power-law tails packed at the first
+    rows plus a hub of 0-60 % of the ids, or a hub of 15 % among spread rows."""
+    for i in range(20):
+        if not balanced:
+            if i % 4 == 3:  # a hub row with 15 % of the ids among spread rows
+                ids = rng.integers(0, M, K)
+                ids[rng.random(K) < 0.15] = int(rng.integers(M))
+                yield ids
+            else:
+                yield hub_ids(K, M, 0.6 * i / 19)
+            continue
+        weights = 1.0 / np.arange(1, M + 1) ** (0.6 * i / 19)
+        yield rng.permutation(M)[rng.choice(M, K, p=weights / weights.sum())]
+
+
+def check_compiles_per_structure(mesh):
+    """One jitted step over 20 structures of equal shape and nnz with different degree
+    distributions, both forms, values and gradients checked: balanced ones compile
+    once; skewed ones once per static plan (capacity steps), fewer than structures."""
+    K, M, N = 6000, 200 * DEVICES, 40  # rows much smaller than a block, as in real graphs
+    for balanced in (True, False):
+        traces = {"segment": 0, "spmm": 0}
+
+        def step(S, v, form, traces=traces):
+            traces[form] += 1
+            y = S @ v
+            return 0.5 * jnp.sum(y * y)
+
+        steps = {
+            form: jax.jit(jax.value_and_grad(lambda S, v, f=form: step(S, v, f), argnums=1))
+            for form in traces
+        }
+        plans, largest = {"segment": set(), "spmm": set()}, set()
+        for idx in _structures(M, K, balanced):
+            S = jaxcsr.shard(CSRMatrix.from_indices(idx, M), mesh, "d")
+            v = rng.standard_normal((K, 2)).astype(np.float32)
+            loss, g = steps["segment"](S, S.layout_values(v))
+            want = segment_reference(v, idx, M)
+            np.testing.assert_allclose(loss, 0.5 * np.sum(want**2), rtol=1e-4)
+            real = S.input_order >= 0
+            g_in = np.zeros((K, 2))
+            g_in[S.input_order[real]] = np.asarray(g)[real]
+            assert_close(g_in, want[idx], np.float32)
+            B = CSRMatrix.from_coo(idx, rng.integers(0, N, K), shape=(M, N))
+            SB = jaxcsr.shard(B, mesh, "d")
+            x = rng.standard_normal((N, 2)).astype(np.float32)
+            loss, g = steps["spmm"](SB, x)
+            dense = B.to_scipy().toarray().astype(np.float64)
+            np.testing.assert_allclose(loss, 0.5 * np.sum((dense @ x) ** 2), rtol=1e-4)
+            want = dense.T @ (dense @ x)  # sums of up to ~1e4 terms: float32 rounding
+            np.testing.assert_allclose(g, want, rtol=0, atol=1e-4 * np.abs(want).max())
+            plans["segment"].add(S._plan)
+            plans["spmm"].add(SB._plan)
+            largest.add((max(S.block_nnz), max(np.diff(S.row_starts))))
+        print(
+            f"{'balanced' if balanced else 'skewed'} structures: traces {traces} for 20 "
+            f"structures with {len(largest)} distinct largest blocks",
+            file=sys.stderr,
+        )
+        assert len(largest) >= 10  # the structures do differ in their blocks
+        for form, count in traces.items():
+            assert count == len(plans[form]), (form, count, len(plans[form]))
+            assert count == 1 if balanced else count < 20, (balanced, traces)
+
+
 def timed(name, fn, *args):
     t0 = time.perf_counter()
     fn(*args)
@@ -210,6 +279,8 @@ with jax.set_mesh(explicit):  # what jax asks for eager work on Explicit axes
     timed("segment form", check_segment_form, explicit)
     timed("spmm form", check_spmm_form, explicit)
     timed("empty shards", check_empty_shards, explicit)
+    if not QUICK:
+        timed("compiles per structure", check_compiles_per_structure, explicit)
 with jax.set_mesh(auto):
     timed("auto axes", check_auto_axes, auto)
 if "--gcn" in sys.argv:
