@@ -60,7 +60,7 @@ IMPLS: tuple[str | None, ...] = (None, *kernels.BACKENDS)
 REDUCTIONS: tuple[str, ...] = ("sum", "mean", "max", "min")
 STATIC_STRUCTURE_MESSAGE = (
     "vmap over a stack of CSRMatrix structures (batched index arrays) is not supported: "
-    "a matrix's structure is planned on the host and static. What works: lax.scan or a "
+    "the structure is static (planned on the host). What works: lax.scan or a "
     "Python loop over the stack; vmap over the values (A.with_data) or the dense operand "
     "of one matrix; for many small graphs, one block-diagonal matrix (offset the ids)."
 )

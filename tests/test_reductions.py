@@ -355,8 +355,10 @@ def _tied(rng, kind: str) -> CSRMatrix:
     return A
 
 
-@pytest.mark.parametrize("impl,interpret", PATHS)
-@pytest.mark.parametrize("reduce", EXTREMES)
+@pytest.mark.parametrize(
+    "reduce,impl,interpret",
+    [("max", "xla", False), ("min", "xla", False), ("max", *PATHS[1]), ("min", *PATHS[2])],
+)
 def test_tied_extremes_send_the_gradient_to_the_first_entry_only(rng, reduce, impl, interpret):
     """The documented tie rule for gradients: among entries of a row attaining the
     max/min, only the first in CSR order (the smallest column) gets the cotangent,

@@ -105,8 +105,9 @@ def test_forward_mode_jacfwd_and_vmap(rng, heads):
         out, tangent = jax.jvp(lambda X, Y, A=A: jaxcsr.sddmm(A, X, Y), (X, Y), (dX, dY))
         assert_close(out, _reference(A, X, Y), np.float32)
         assert_close(tangent, _reference(A, dX, Y) + _reference(A, X, dY), np.float32)
-        f = lambda X, A=A, Y=Y: jaxcsr.sddmm(A, X, Y)  # noqa: E731
-        assert_close(jax.jacfwd(f)(X), jax.jacrev(f)(X), np.float32)
+        if A.nnz < 40:  # jacobians are nnz x m x F: the small matrices
+            f = jax.jit(lambda X, A=A, Y=Y: jaxcsr.sddmm(A, X, Y))
+            assert_close(jax.jacfwd(f)(X), jax.jacrev(f)(X), np.float32)
         batch = rng.standard_normal((4, m, *tail)).astype(np.float32)
         out = jax.vmap(jaxcsr.sddmm, in_axes=(None, 0, None))(A, batch, Y)
         for b in range(4):
