@@ -200,28 +200,29 @@ def check_gcn():
 
 
 def _structures(M, K, balanced):
-    """20 segment-id arrays of length K over M rows with different degree distributions.
+    """20 (balanced) or 10 (skewed) segment-id arrays of length K over M rows, with
+    different degree distributions.
 
     balanced: uniform, and power laws of exponent 0-0.6 over permuted rows -- blocks
     that fit the balanced capacities. Otherwise: power-law tails packed at the first
     rows plus a hub of 0-60 % of the ids, or a hub of 15 % among spread rows."""
-    for i in range(20):
+    for i in range(20 if balanced else 10):
         if not balanced:
             if i % 4 == 3:  # a hub row with 15 % of the ids among spread rows
                 ids = rng.integers(0, M, K)
                 ids[rng.random(K) < 0.15] = int(rng.integers(M))
                 yield ids
             else:
-                yield hub_ids(K, M, 0.6 * i / 19)
+                yield hub_ids(K, M, 0.6 * i / 9)
             continue
         weights = 1.0 / np.arange(1, M + 1) ** (0.6 * i / 19)
         yield rng.permutation(M)[rng.choice(M, K, p=weights / weights.sum())]
 
 
 def check_compiles_per_structure(mesh):
-    """One jitted step over 20 structures of equal shape and nnz with different degree
-    distributions, both forms, values and gradients checked: balanced ones compile
-    once; skewed ones once per static plan (capacity steps), fewer than structures."""
+    """One jitted step over structures of equal shape and nnz with different degree
+    distributions, both forms, values and gradients checked: 20 balanced ones compile
+    once; 10 skewed ones once per static plan (capacity steps), fewer than structures."""
     K, M, N = 6000, 200 * DEVICES, 40  # rows much smaller than a block, as in real graphs
     for balanced in (True, False):
         traces = {"segment": 0, "spmm": 0}
@@ -258,14 +259,14 @@ def check_compiles_per_structure(mesh):
             plans["spmm"].add(SB._plan)
             largest.add((max(S.block_nnz), max(np.diff(S.row_starts))))
         print(
-            f"{'balanced' if balanced else 'skewed'} structures: traces {traces} for 20 "
-            f"structures with {len(largest)} distinct largest blocks",
+            f"{'balanced' if balanced else 'skewed'} structures: traces {traces} for "
+            f"{20 if balanced else 10} structures with {len(largest)} distinct largest blocks",
             file=sys.stderr,
         )
-        assert len(largest) >= 10  # the structures do differ in their blocks
+        assert len(largest) >= (10 if balanced else 8)  # the structures' blocks differ
         for form, count in traces.items():
             assert count == len(plans[form]), (form, count, len(plans[form]))
-            assert count == 1 if balanced else count < 20, (balanced, traces)
+            assert count == 1 if balanced else count < len(largest), (balanced, traces)
 
 
 def timed(name, fn, *args):

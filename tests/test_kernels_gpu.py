@@ -124,7 +124,8 @@ def test_hub_row_with_90_percent_of_nonzeros(rng, n_features, dtype):
     idx = _hub_ids(rng, 3000, 40, 0.9)
     A = CSRMatrix.from_indices(idx, num_rows=40, backends=ALL)
     v = random_values(rng, (3000, n_features)).astype(dtype)
-    for reduce in REDUCES:
+    # every reduce in float32; the 16-bit cases the sum (float32 accumulation) and max
+    for reduce in REDUCES if dtype == np.float32 else ("sum", "max"):
         out = jaxcsr.matmul(A, jnp.asarray(v), impl="pallas_gpu", interpret=True, reduce=reduce)
         assert out.dtype == np.dtype(dtype)
         assert_close(out, segment_reference(v, idx, 40, reduce), dtype)
