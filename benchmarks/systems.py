@@ -33,6 +33,7 @@ torch the operation their autograd would run (``A.T @ ct``, ``index_select``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
@@ -97,7 +98,9 @@ def _data_vjp(f: Callable) -> Callable:
 
 
 def _bind(fn: Callable, *args: Any) -> Callable[[], Any]:
-    return lambda: fn(*args)
+    """A thunk ``fn(*args)``; a ``functools.partial``, so tests can lower ``fn`` with its
+    arguments (and check what it holds as constants)."""
+    return functools.partial(fn, *args)
 
 
 class _Edges(NamedTuple):

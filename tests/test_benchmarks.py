@@ -95,3 +95,104 @@ def test_strategy_crossover_table(tmp_path):
     for r in rows:  # what jaxcsr picks is one of the strategies timed for the structure
         assert r["chosen"] in r["median_s"]
     assert "| chosen |" in (tmp_path / "strategies.md").read_text()
+
+
+def test_jax_systems_take_their_index_arrays_as_arguments():
+    """No JAX system of the main benchmark holds an index array as an XLA constant
+    (which XLA constant-folds at compile time: ~150 s of "Constant folding" alarms
+    for BCSR's backward on tolokers). jaxcsr's segment_softmax takes host ids by its
+    signature and is the one exception."""
+    import re
+
+    from benchmarks import systems
+
+    graph = load_graph("cora")
+    cases = systems.build_cases(
+        graph,
+        4,
+        "float32",
+        peers=("segment_sum", "segment_sum_sorted", "bcsr", "bcoo"),
+        workloads=(
+            "segment",
+            "spmm",
+            "last_axis",
+            "segment_mean",
+            "segment_max",
+            "segment_softmax",
+        ),
+        rng=np.random.default_rng(0),
+    )
+    checked = 0
+    for case in cases:
+        for name, thunk in case.systems.items():
+            if name == "jaxcsr" and case.workload == "segment_softmax":
+                continue
+            if not hasattr(getattr(thunk, "func", None), "lower"):
+                continue  # scipy / torch
+            text = thunk.func.lower(*thunk.args).as_text()
+            sizes = [
+                int(np.prod([int(d) for d in shape.split("x")[:-1]] or [1]))
+                for shape in re.findall(
+                    r"stablehlo\.constant dense<\"0x[0-9A-F]+\"> : tensor<([^>]+)>", text
+                )
+            ]
+            assert max(sizes, default=0) < graph.num_edges, (case.workload, case.pass_, name)
+            checked += 1
+    assert checked >= 40
+
+
+def test_progress_eta_budget_and_smoke_label(tmp_path, capsys):
+    """Per-cell elapsed/ETA and per-system lines; a system past the budget is reported
+    as timed out (and listed under the table); --quick says it is a smoke run."""
+    import time
+
+    from benchmarks import report, systems
+    from benchmarks.__main__ import run_case
+
+    case = systems.Case(
+        "g",
+        "segment",
+        "fwd",
+        1,
+        "float32",
+        8,
+        {
+            "jaxcsr": lambda: np.ones(3, np.float32),
+            "slow_peer": lambda: time.sleep(0.3) or np.ones(3, np.float32),
+        },
+    )
+    res = run_case(case, repeats=3, budget_s=0.1)
+    assert res["slow_peer"]["error"].startswith("timed out")
+    row = {
+        "graph": "g",
+        "workload": "segment",
+        "pass": "fwd",
+        "n_features": 1,
+        "dtype": "float32",
+        "systems": res,
+    }
+    assert report._cell(row, "slow_peer") == "timed out"
+    assert any("timed out" in line for line in report.errors([row]))
+    main(["--quick", "--out", str(tmp_path), "--workloads", "segment", "--peers", "bcoo"])
+    out = capsys.readouterr()
+    assert "ETA" in out.err and "elapsed" in out.err and "bcoo" in out.err
+    assert "SMOKE RUN" in out.out
+
+
+def test_help_is_instant_and_shows_plain_defaults():
+    """--help parses arguments without importing jax; defaults print as text."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, contextlib, io\n"
+        "from benchmarks.__main__ import parse_args\n"
+        "buf = io.StringIO()\n"
+        "with contextlib.redirect_stdout(buf), contextlib.suppress(SystemExit):\n"
+        "    parse_args(['--help'])\n"
+        "assert 'jax' not in sys.modules, 'jax imported by --help'\n"
+        "print(buf.getvalue())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.returncode == 0, result.stderr
+    assert "(default: 16,64,256)" in result.stdout and "(default: tolokers)" in result.stdout

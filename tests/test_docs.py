@@ -34,3 +34,14 @@ def test_python_block_runs(block):
         assert result.returncode == 0, result.stderr[-3000:]
         return
     exec(compile(block, "<docs>", "exec"), {})
+
+
+def test_user_docs_speak_of_the_project_only():
+    """No paths a user does not have, no issue numbers, no claims the code contradicts."""
+    for page in PAGES:
+        text = page.read_text()
+        assert "../shared" not in text, page.name
+        assert not re.search(r"\bissues? #?\d", text, re.IGNORECASE), page.name
+    migration = (ROOT / "docs" / "migration.md").read_text()
+    assert "integer atomics" not in migration  # the GPU kernel has no atomics
+    assert "uses no" in migration and "atomics" in migration

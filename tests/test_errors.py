@@ -176,6 +176,19 @@ STRINGS = np.array(["a", "b", "c"])
             "num_rows = 2147483647 needs 64-bit indices",
         ),
     ],
+    ids=[
+        "matmul_X",
+        "rmatmul_X",
+        "with_data",
+        "from_indices_data",
+        "segment_sum_data",
+        "segment_softmax_logits",
+        "edge_softmax_scores",
+        "sddmm_X",
+        "from_dense",
+        "from_coo_huge_rows",
+        "from_indices_huge_rows",
+    ],
 )
 def test_bad_dtypes_and_sizes_are_named_before_any_work(call, error, match):
     """Strings fail with the argument's name (not deep in JAX); sizes past int32
