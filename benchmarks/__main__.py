@@ -71,7 +71,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=",".join(PEERS),
         help="comma-separated subset of " + ",".join(PEERS),
     )
-    p.add_argument("--repeats", type=int, default=3, help="timed runs per system (median)")
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=argparse.SUPPRESS,
+        help="timed runs per system, median (default 3; 5 with --quick)",
+    )
     p.add_argument(
         "--budget",
         type=float,
@@ -95,7 +100,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = p.parse_args(argv)
     if args.quick:
         args.graphs, args.features, args.dtypes = ("cora",), (8,), ("float32",)
-        args.repeats, args.budget = 5, min(args.budget, 30.0)
+        args.budget = min(args.budget, 30.0)
+    if "repeats" not in vars(args):
+        args.repeats = 5 if args.quick else 3
     for name, allowed in (("peers", PEERS), ("workloads", WORKLOADS)):
         bad = set(getattr(args, name)) - set(allowed)
         if bad:

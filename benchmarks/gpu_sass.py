@@ -15,7 +15,9 @@ atomics and load widths follow from what the IR asks for.
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import dataclasses
+import multiprocessing
 import os
 import re
 import subprocess
@@ -175,19 +177,35 @@ def inspect(features=FEATURES, dtypes=DTYPES, reduces=REDUCES) -> list[KernelCod
     import jaxcsr
 
     idx, A = sample_matrix()
-    rows = []
-    with tempfile.TemporaryDirectory() as workdir:
-        for n_features in features:
-            for dtype in dtypes:
-                for reduce in reduces:
+    jobs = []
+    for n_features in features:
+        for dtype in dtypes:
+            for reduce in reduces:
 
-                    def fn(v, reduce=reduce):
-                        return jaxcsr.matmul(A, v, impl="pallas_gpu", reduce=reduce)
+                def fn(v, reduce=reduce):
+                    return jaxcsr.matmul(A, v, impl="pallas_gpu", reduce=reduce)
 
-                    spec = jax.ShapeDtypeStruct((idx.size, n_features), jnp.dtype(dtype))
-                    for name, ttir, warps, stages in triton_modules(fn, spec):
-                        sass, usage = compile_sass(ttir, warps, stages, workdir)
-                        rows.append(read_sass(name, n_features, dtype, reduce, warps, sass, usage))
+                spec = jax.ShapeDtypeStruct((idx.size, n_features), jnp.dtype(dtype))
+                for name, ttir, warps, stages in triton_modules(fn, spec):
+                    jobs.append((name, n_features, dtype, reduce, ttir, warps, stages))
+    # Compiles in worker processes, one per core (triton and ptxas are the cost).
+    context = multiprocessing.get_context("spawn")  # no fork of a process running jax
+    with (
+        tempfile.TemporaryDirectory() as workdir,
+        concurrent.futures.ProcessPoolExecutor(
+            max_workers=max(1, min(len(jobs), os.cpu_count() or 1)), mp_context=context
+        ) as pool,
+    ):
+        futures = [
+            pool.submit(compile_sass, ttir, warps, stages, workdir)
+            for _, _, _, _, ttir, warps, stages in jobs
+        ]
+        rows = []
+        for (name, n_features, dtype, reduce, _, warps, _), future in zip(
+            jobs, futures, strict=True
+        ):
+            sass, usage = future.result()
+            rows.append(read_sass(name, n_features, dtype, reduce, warps, sass, usage))
     return rows
 
 

@@ -183,9 +183,11 @@ def check_gcn():
     from benchmarks import gcn
 
     data = gcn.load_cora()
-    for seed in (0,):  # 60 epochs keeps the test short; same seed, same dropout masks
-        one = gcn.train(data, "jaxcsr", seed, epochs=60)
-        many = gcn.train(data, "jaxcsr_sharded", seed, epochs=60)
+    for seed in (0,):  # 40 epochs keeps the test short; same seed, same dropout masks
+        one = gcn.train(data, "jaxcsr", seed, epochs=40)
+        many = gcn.train(data, "jaxcsr_sharded", seed, epochs=40)
+        # the same training run: the losses agree to float32 rounding after 40 steps
+        np.testing.assert_allclose(many["final_loss"], one["final_loss"], rtol=1e-4)
         print(
             f"gcn accuracy: 1 device {one['test_accuracy']:.3f}, {DEVICES} devices "
             f"{many['test_accuracy']:.3f}; step {one['step_median_s'] * 1e3:.1f} ms vs "

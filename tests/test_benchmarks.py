@@ -22,7 +22,7 @@ def test_embedded_graphs_load(name):
 
 
 def test_quick_benchmark_writes_checked_results(tmp_path, capsys):
-    result = main(["--quick", "--out", str(tmp_path)])
+    result = main(["--quick", "--out", str(tmp_path), "--repeats", "2"])
     rows = result["rows"]
     assert {(r["workload"], r["pass"]) for r in rows} == {
         ("segment", "fwd"),
@@ -173,7 +173,19 @@ def test_progress_eta_budget_and_smoke_label(tmp_path, capsys):
     }
     assert report._cell(row, "slow_peer") == "timed out"
     assert any("timed out" in line for line in report.errors([row]))
-    main(["--quick", "--out", str(tmp_path), "--workloads", "segment", "--peers", "bcoo"])
+    main(
+        [
+            "--quick",
+            "--out",
+            str(tmp_path),
+            "--workloads",
+            "segment",
+            "--peers",
+            "bcoo",
+            "--repeats",
+            "1",
+        ]
+    )
     out = capsys.readouterr()
     assert "ETA" in out.err and "elapsed" in out.err and "bcoo" in out.err
     assert "SMOKE RUN" in out.out

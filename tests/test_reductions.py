@@ -412,6 +412,8 @@ def test_tied_extremes_send_the_gradient_to_the_first_entry_only(rng, reduce, im
         np.testing.assert_allclose(np.asarray(g_x), want_x, rtol=1e-6, atol=1e-6, err_msg=kind)
         if A.data is not None:
             np.testing.assert_allclose(np.asarray(g_data), want_data, rtol=1e-6, err_msg=kind)
+        if impl != "xla":
+            continue  # the tangent rule is one XLA computation whatever impl gave `out`
         # forward mode: the tangent of out[i, f] is the tangent at the first hit only
         dx = random_values(rng, (n, 3)).astype(np.float32)
 

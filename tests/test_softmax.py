@@ -342,14 +342,16 @@ def test_lowers_for_cuda_and_tpu(rng):
     args = (
         jax.ShapeDtypeStruct((64, 8), jnp.float32),
         jax.ShapeDtypeStruct((A.nnz, 8), jnp.float32),
+        jax.ShapeDtypeStruct((9, 2, 4), jnp.float32),
     )
 
     def grad_for(impl):
-        def loss(x, y):
+        def loss(x, y, z):  # the sddmm primitive lowers (forward and transpose) too
             p = jaxcsr.segment_softmax(x, ids, 9, impl=impl)
-            return jnp.sum(p * p) + jnp.sum(jaxcsr.edge_softmax(A, y) ** 2)
+            scores = jaxcsr.edge_softmax(A, jaxcsr.sddmm(A, z, z))
+            return jnp.sum(p * p) + jnp.sum(jaxcsr.edge_softmax(A, y) ** 2) + jnp.sum(scores**2)
 
-        return jax.grad(loss, argnums=(0, 1))
+        return jax.grad(loss, argnums=(0, 1, 2))
 
     cuda = export_for_cuda(grad_for("pallas_gpu"), *args).mlir_module()
     tpu = export.export(jax.jit(grad_for("pallas_tpu")), platforms=["tpu"])(*args)
