@@ -17,7 +17,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["KERNEL_DTYPES", "accumulation_dtype", "as_numeric", "product_dtype"]
+__all__ = [
+    "KERNEL_DTYPES",
+    "accumulation_dtype",
+    "as_numeric",
+    "check_numeric_dtype",
+    "product_dtype",
+]
 
 KERNEL_DTYPES: tuple[np.dtype, ...] = (
     np.dtype(np.float32),
@@ -27,21 +33,23 @@ KERNEL_DTYPES: tuple[np.dtype, ...] = (
 """dtypes the Pallas kernels are written for (values and dense operand)."""
 
 
-def as_numeric(value: Any, name: str, *, floating: bool = False) -> jax.Array:
-    """``value`` as a JAX array, after checking its dtype (without converting first).
-
-    Raises:
-      TypeError: naming ``name``, for a dtype that is not a number (strings, objects,
-        booleans), or not floating with ``floating=True``.
-    """
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:  # lists, scalars
-        value = np.asarray(value)
-        dtype = value.dtype
+def check_numeric_dtype(dtype, name: str, *, floating: bool = False) -> None:
+    """Raises a ``TypeError`` naming ``name`` for a dtype that is not a number (strings,
+    objects, booleans), or not floating with ``floating=True``."""
     dtype = np.dtype(dtype)
     kind = "floating" if floating else "numeric"
     if dtype == np.bool_ or not jnp.issubdtype(dtype, jnp.floating if floating else jnp.number):
         raise TypeError(f"{name} must have a {kind} dtype, got {dtype}")
+
+
+def as_numeric(value: Any, name: str, *, floating: bool = False) -> jax.Array:
+    """``value`` as a JAX array, after :func:`check_numeric_dtype` (which reads the
+    dtype without converting first)."""
+    dtype = getattr(value, "dtype", None)
+    if dtype is None:  # lists, scalars
+        value = np.asarray(value)
+        dtype = value.dtype
+    check_numeric_dtype(dtype, name, floating=floating)
     return jnp.asarray(value)
 
 

@@ -12,7 +12,7 @@ import numpy as np
 import scipy.sparse as sp
 
 from jaxcsr import kernels, plan
-from jaxcsr.dtypes import as_numeric, product_dtype
+from jaxcsr.dtypes import as_numeric, check_numeric_dtype, product_dtype
 from jaxcsr.kernels import gpu as gpu_kernels
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.ops import IMPLS, REDUCTIONS, Index, opaque, product
@@ -320,7 +320,7 @@ class CSRMatrix:
         dense = _host_values(dense, "dense")
         if dense.ndim != 2:
             raise ValueError(f"dense must be 2-D, got shape {dense.shape}")
-        as_numeric(dense[:0, :0], "dense")  # the dtype check, before any work
+        check_numeric_dtype(dense.dtype, "dense")  # before any work
         shape = plan.check_shape(dense.shape)
         rows, cols = np.nonzero(dense != 0)
         indptr, indices, _ = plan.coo_to_csr(rows, cols, shape)  # already in CSR order

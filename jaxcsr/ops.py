@@ -50,6 +50,8 @@ __all__ = [
     "REDUCTIONS",
     "STATIC_STRUCTURE_MESSAGE",
     "Index",
+    "ShapedArray",
+    "def_jitted_impl",
     "csr_matmul_p",
     "opaque",
     "product",
@@ -202,15 +204,16 @@ def _lowered_impl(
 
 
 @functools.cache
-def _jitted_primitive(**params):
-    return jax.jit(functools.partial(csr_matmul_p.bind, **params))
+def _jitted_bind(primitive: Primitive, **params):
+    return jax.jit(functools.partial(primitive.bind, **params))
 
 
-def _eager_impl(*operands, **params) -> jax.Array:
-    return _jitted_primitive(**params)(*operands)
+def def_jitted_impl(primitive: Primitive) -> None:
+    """Eager calls of ``primitive`` run its lowering, jitted once per set of params."""
+    primitive.def_impl(lambda *operands, **params: _jitted_bind(primitive, **params)(*operands))
 
 
-csr_matmul_p.def_impl(_eager_impl)
+def_jitted_impl(csr_matmul_p)
 
 
 @csr_matmul_p.def_abstract_eval

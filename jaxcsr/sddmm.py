@@ -23,12 +23,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxcsr.dtypes import as_numeric
 from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.matrix import CSRMatrix
-from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE
-
-try:  # the public spelling; jax.core's aliases are being retired
-    from jax.core import ShapedArray
-except ImportError:  # pragma: no cover - future jax
-    from jax._src.core import ShapedArray
+from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE, ShapedArray, def_jitted_impl
 
 __all__ = ["sddmm", "sddmm_p"]
 
@@ -96,12 +91,7 @@ def _impl(x, y, *leaves, index_tree, out_dtype) -> jax.Array:
     return jax.vmap(per_head, in_axes=(1, 1), out_axes=1)(x, y)
 
 
-@functools.cache
-def _jitted(**params):
-    return jax.jit(functools.partial(sddmm_p.bind, **params))
-
-
-sddmm_p.def_impl(lambda *operands, **params: _jitted(**params)(*operands))
+def_jitted_impl(sddmm_p)
 
 
 @sddmm_p.def_abstract_eval
@@ -162,12 +152,11 @@ def _batch(args, dims, *, index_tree, out_dtype):
         raise ValueError(STATIC_STRUCTURE_MESSAGE)
     size = x.shape[x_bd] if x_bd is not None else y.shape[y_bd]
 
-    def fold(v, bd):
-        v = (
-            jnp.broadcast_to(v[:, None], (v.shape[0], size, *v.shape[1:]))
-            if bd is None
-            else (jnp.moveaxis(v, bd, 1))
-        )
+    def fold(v, bd):  # (m, H, F) batched at bd -> (m, size * H, F)
+        if bd is None:
+            v = jnp.broadcast_to(v[:, None], (v.shape[0], size, *v.shape[1:]))
+        else:
+            v = jnp.moveaxis(v, bd, 1)
         return v.reshape(v.shape[0], size * v.shape[2], v.shape[3])
 
     out = sddmm_p.bind(

@@ -153,12 +153,19 @@ def _backends_for(impl: str | None) -> tuple[str, ...] | None:
 
 
 def _prepare(
-    data: Any, segment_ids: Any, num_segments, mode, axis, impl=None, *, name: str = "data"
+    data: Any,
+    segment_ids: Any,
+    num_segments,
+    mode,
+    axis,
+    impl=None,
+    *,
+    name: str = "data",
+    floating: bool = False,
 ) -> tuple:
     """Validates (dtype first, before any planning), plans, and moves ``axis`` first.
-    ``name`` is what errors call ``data``; the softmax family calls it ``logits`` and
-    needs a floating dtype."""
-    data = as_numeric(data, name, floating=name == "logits")
+    ``name`` is what errors call ``data``; ``floating`` asks for a floating dtype."""
+    data = as_numeric(data, name, floating=floating)
     axis = _check_axis(data, axis)
     A = segment_matrix(segment_ids, num_segments, mode, backends=_backends_for(impl))
     if A.shape[1] != data.shape[axis]:
@@ -255,7 +262,9 @@ def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
     ``shifted`` is each logit minus its segment's (finite) max ``peak``; ``total`` the
     per-segment sum of ``exp(shifted)``; all in float32 or wider.
     """
-    A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis, impl, name="logits")
+    A, x, axis = _prepare(
+        logits, segment_ids, num_segments, None, axis, impl, name="logits", floating=True
+    )
     dtype = x.dtype
     x = x.astype(jnp.promote_types(dtype, jnp.float32))
     return (A, axis, *shifted_exp(x, A, impl), dtype)
@@ -285,7 +294,9 @@ def segment_softmax(
       >>> [round(float(v), 4) for v in out]
       [0.2689, 0.7311, 1.0]
     """
-    A, x, axis = _prepare(logits, segment_ids, num_segments, None, axis, impl, name="logits")
+    A, x, axis = _prepare(
+        logits, segment_ids, num_segments, None, axis, impl, name="logits", floating=True
+    )
     return jnp.moveaxis(softmax_over_rows(x, A, impl, name="logits"), 0, axis)
 
 

@@ -493,7 +493,7 @@ def _relayout_plan(starts, m, block_rows, shards, balance):
     # Static choices that follow the structure take few values: the even split is
     # aligned (no relayout); otherwise the reach rounds up to a power of two and the
     # message width to a capacity step.
-    aligned = balance == "rows" and block_rows == rows
+    aligned = balance == "rows"  # shard() gives the even split its exact row count
     reach = max((abs(q - p) for p, q in pairs), default=0)
     reach = 0 if aligned else 1 << max(reach - 1, 0).bit_length()
     shifts = tuple(range(-min(reach, shards - 1), min(reach, shards - 1) + 1))
