@@ -8,9 +8,9 @@ Example:
   [[2.0, 2.0], [1.0, 1.0], [2.0, 2.0]]
 """
 
-from jaxcsr.kernels import BACKENDS
+from jaxcsr.kernels import BACKENDS, IMPLS
 from jaxcsr.matrix import CSRMatrix, PlanInfo, matmul
-from jaxcsr.ops import IMPLS, REDUCTIONS
+from jaxcsr.ops import REDUCTIONS
 from jaxcsr.sddmm import sddmm
 from jaxcsr.segment import (
     segment_log_softmax,

@@ -5,25 +5,15 @@
 * Sums are carried in :func:`accumulation_dtype`: float32 for 16-bit floats, int32
   for 8/16-bit integers, the dtype itself otherwise; the result is cast back once.
 * The Pallas kernels take :data:`KERNEL_DTYPES` (16/32-bit floats).
-* Every array argument is checked by :func:`as_numeric` before any device work, so a
-  string, object or boolean array gets a ``TypeError`` that names the argument.
+* Argument dtypes are checked in :mod:`jaxcsr.validation`.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
-import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = [
-    "KERNEL_DTYPES",
-    "accumulation_dtype",
-    "as_numeric",
-    "check_numeric_dtype",
-    "product_dtype",
-]
+__all__ = ["KERNEL_DTYPES", "accumulation_dtype", "product_dtype"]
 
 KERNEL_DTYPES: tuple[np.dtype, ...] = (
     np.dtype(np.float32),
@@ -31,26 +21,6 @@ KERNEL_DTYPES: tuple[np.dtype, ...] = (
     np.dtype(jnp.bfloat16),
 )
 """dtypes the Pallas kernels are written for (values and dense operand)."""
-
-
-def check_numeric_dtype(dtype, name: str, *, floating: bool = False) -> None:
-    """Raises a ``TypeError`` naming ``name`` for a dtype that is not a number (strings,
-    objects, booleans), or not floating with ``floating=True``."""
-    dtype = np.dtype(dtype)
-    kind = "floating" if floating else "numeric"
-    if dtype == np.bool_ or not jnp.issubdtype(dtype, jnp.floating if floating else jnp.number):
-        raise TypeError(f"{name} must have a {kind} dtype, got {dtype}")
-
-
-def as_numeric(value: Any, name: str, *, floating: bool = False) -> jax.Array:
-    """``value`` as a JAX array, after :func:`check_numeric_dtype` (which reads the
-    dtype without converting first)."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:  # lists, scalars
-        value = np.asarray(value)
-        dtype = value.dtype
-    check_numeric_dtype(dtype, name, floating=floating)
-    return jnp.asarray(value)
 
 
 def product_dtype(x_dtype, data_dtype) -> np.dtype:

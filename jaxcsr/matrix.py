@@ -1,8 +1,10 @@
-"""``CSRMatrix``: a sparse matrix with a static, host-planned structure, as a pytree,
-and :func:`matmul`, the product behind its ``@``."""
+"""``CSRMatrix``: a sparse matrix with a static, host-planned structure, as a pytree;
+:class:`SparseOperand`, what :func:`matmul` multiplies; and :func:`matmul`, the
+product behind ``@``, which validates once and calls the operand's own product."""
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import Any
 
@@ -11,14 +13,20 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 
-from jaxcsr import kernels, plan
-from jaxcsr.dtypes import as_numeric, check_numeric_dtype, product_dtype
-from jaxcsr.kernels import gpu as gpu_kernels
-from jaxcsr.kernels import xla as xla_kernels
-from jaxcsr.ops import IMPLS, REDUCTIONS, Index, opaque, product
+from jaxcsr import kernels, ops, plan
+from jaxcsr.ops import EXTREMES, IMPLS, REDUCTIONS, Index
 from jaxcsr.structure import Structure
+from jaxcsr.validation import (
+    as_numeric,
+    check_coo,
+    check_csr_arrays,
+    check_numeric_dtype,
+    check_segment_ids,
+    check_shape,
+    reject_traced,
+)
 
-__all__ = ["CSRMatrix", "PlanInfo", "matmul"]
+__all__ = ["CSRMatrix", "PlanInfo", "SparseOperand", "matmul"]
 
 
 def _check_values(data: Any, nnz: int, name: str) -> jax.Array:
@@ -30,13 +38,10 @@ def _check_values(data: Any, nnz: int, name: str) -> jax.Array:
 
 
 def _host_values(data: Any, name: str) -> np.ndarray:
-    try:
-        return np.asarray(data)
-    except Exception as err:
-        raise ValueError(
-            f"{name} is a traced JAX value; build the CSRMatrix outside jax.jit and "
-            "set traced values with with_data()."
-        ) from err
+    reject_traced(
+        data, name, "build the CSRMatrix outside jax.jit and set traced values with with_data()."
+    )
+    return np.asarray(data)
 
 
 def _to_device(tree: Any) -> Any:
@@ -81,8 +86,33 @@ class PlanInfo:
         return "\n".join(lines)
 
 
+class SparseOperand(abc.ABC):
+    """What :func:`matmul` multiplies: a sparse ``(m, n)`` matrix that runs its own
+    product (:class:`CSRMatrix`, :class:`~jaxcsr.ShardedCSR`).
+
+    :func:`matmul` checks every argument and reshapes ``X`` to 2-D once, then calls
+    :meth:`product`.
+    """
+
+    @property
+    @abc.abstractmethod
+    def shape(self) -> tuple[int, int]:
+        """``(m, n)``: ``X.shape[0]`` must be ``n``."""
+
+    @property
+    @abc.abstractmethod
+    def dtype(self) -> np.dtype | None:
+        """dtype of the values; ``None`` for a one-valued matrix."""
+
+    @abc.abstractmethod
+    def product(
+        self, x: jax.Array, *, reduce: str, return_arg: bool, impl: str | None, interpret: bool
+    ) -> Any:
+        """``A @ x`` for a validated 2-D ``x`` ``(n, F)``: ``(m, F)``, or ``(out, arg)``."""
+
+
 @jax.tree_util.register_pytree_node_class
-class CSRMatrix:
+class CSRMatrix(SparseOperand):
     """A 2-D sparse matrix in CSR form whose structure is planned once on the host.
 
     The index structure is fixed at construction; only the values can change
@@ -98,6 +128,11 @@ class CSRMatrix:
     pass ``backends=`` to any constructor to choose (for instance to build on a CPU
     host for a GPU, or to run a kernel in interpret mode on CPU).
     :meth:`plan_info` shows what is held and what runs.
+
+    A matrix also keeps the host structure it was planned from
+    (:attr:`host_structure`, numpy arrays; not a pytree leaf, so it never enters a
+    trace), which :func:`jaxcsr.shard` splits into row blocks without reading the
+    device back.
 
     A matrix built without values is *one-valued*: every stored entry is 1, no
     array of ones is stored and products skip the multiply. Its :attr:`dtype` is
@@ -124,11 +159,13 @@ class CSRMatrix:
         input_order: jax.Array | None = None,
         *,
         input_order_is_columns: bool = False,
+        host_structure: Structure | None = None,
     ):
         self.data = data
         self.index = index
         self._input_order = input_order
         self._input_order_is_columns = input_order_is_columns
+        self._host_structure = host_structure
 
     # ----------------------------------------------------------------- pytree
     def tree_flatten(self):
@@ -158,15 +195,19 @@ class CSRMatrix:
         """
         if data is not None:  # checked before any planning or device work
             data = _check_values(data, structure.nnz, "data")
-        names = kernels.resolve_backends(backends)
-        plans = {name: kernels.BACKENDS[name].plan(structure) for name in names}
-        index = _to_device(Index(structure, plans))
+        index = _to_device(Index.planned(structure, backends))
         if data is not None:
             data_order = input_order if data_order is None else data_order
             if data_order is not None:
                 data = data[data_order]
         order = None if input_order is None else _to_device(input_order)
-        return cls(data, index, order, input_order_is_columns=input_order_is_columns)
+        return cls(
+            data,
+            index,
+            order,
+            input_order_is_columns=input_order_is_columns,
+            host_structure=structure,
+        )
 
     @classmethod
     def _from_host_csr(
@@ -215,7 +256,7 @@ class CSRMatrix:
           >>> bool(jnp.allclose(A @ v, jax.ops.segment_sum(v, idx, 3)))
           True
         """
-        idx, num_rows = plan.check_segment_ids(idx, num_rows)
+        idx, num_rows = check_segment_ids(idx, num_rows)
         structure = plan.structure_from_segment_ids(idx, num_rows)
         order = None
         if data is not None and not structure.layout.sorted_ids:
@@ -247,7 +288,8 @@ class CSRMatrix:
         Returns:
           A ``CSRMatrix``; ``A.data == data[A.input_order]``.
         """
-        shape = plan.check_shape(shape)
+        shape = check_shape(shape)
+        row, col = check_coo(row, col, shape)
         indptr, indices, order = plan.coo_to_csr(row, col, shape)
         return cls._from_host_csr(indptr, indices, data, shape, backends, order)
 
@@ -271,8 +313,8 @@ class CSRMatrix:
           shape: ``(m, n)``.
           backends: as in :meth:`from_indices`.
         """
-        shape = plan.check_shape(shape)
-        indptr, indices = plan.check_csr_arrays(indptr, indices, shape)
+        shape = check_shape(shape)
+        indptr, indices = check_csr_arrays(indptr, indices, shape)
         return cls._from_host_csr(indptr, indices, data, shape, backends)
 
     @classmethod
@@ -292,15 +334,16 @@ class CSRMatrix:
             )
         if matrix.ndim != 2:
             raise ValueError(f"matrix must be 2-D, got shape {matrix.shape}")
-        shape = plan.check_shape(matrix.shape)
+        shape = check_shape(matrix.shape)
         if matrix.format == "coo":  # scipy's CSR conversion would sum duplicates
-            indptr, indices, order = plan.coo_to_csr(matrix.row, matrix.col, shape)
+            row, col = check_coo(matrix.row, matrix.col, shape)
+            indptr, indices, order = plan.coo_to_csr(row, col, shape)
             values = np.asarray(matrix.data)[order]
         else:
             csr = sp.csr_array(matrix, copy=True)
             if not csr.has_sorted_indices:
                 csr.sort_indices()
-            indptr, indices = plan.check_csr_arrays(csr.indptr, csr.indices, shape)
+            indptr, indices = check_csr_arrays(csr.indptr, csr.indices, shape)
             values = csr.data
         data = np.asarray(values, dtype=jax.dtypes.canonicalize_dtype(values.dtype))
         return cls._from_host_csr(indptr, indices, data, shape, backends)
@@ -321,7 +364,7 @@ class CSRMatrix:
         if dense.ndim != 2:
             raise ValueError(f"dense must be 2-D, got shape {dense.shape}")
         check_numeric_dtype(dense.dtype, "dense")  # before any work
-        shape = plan.check_shape(dense.shape)
+        shape = check_shape(dense.shape)
         rows, cols = np.nonzero(dense != 0)
         indptr, indices, _ = plan.coo_to_csr(rows, cols, shape)  # already in CSR order
         data = dense[rows, cols]
@@ -364,6 +407,20 @@ class CSRMatrix:
         return self.structure.view_indices()
 
     @property
+    def host_structure(self) -> Structure | None:
+        """The host :class:`~jaxcsr.structure.Structure` (numpy leaves) this matrix was
+        planned from, viewed as this matrix. ``None`` for a matrix rebuilt from its
+        leaves (a jitted function's output, ``tree_map``): rebuild it with a
+        constructor to shard it."""
+        return self._host_structure
+
+    @property
+    def columns_are_inputs(self) -> bool:
+        """Built by :meth:`from_indices` and not transposed: column ``j`` holds input
+        position ``j`` (``A @ values`` is a segment sum of per-input ``values``)."""
+        return self._input_order_is_columns and self.structure.one_per_column
+
+    @property
     def input_order(self) -> jax.Array | None:
         """Input position of each stored entry (:meth:`from_indices`, :meth:`from_coo`).
 
@@ -379,8 +436,9 @@ class CSRMatrix:
         """What this matrix holds on the device and what each backend runs.
 
         Args:
-          n_features: optional feature width ``F`` of the dense operand; adds the
-            Triton kernel's float32 tile configuration for it where planned.
+          n_features: optional feature width ``F`` of the dense operand: the XLA
+            strategy for that width (default: a wide operand) and, where planned, the
+            Triton kernel's float32 tile configuration for it.
 
         Example:
           >>> import numpy as np
@@ -400,19 +458,12 @@ class CSRMatrix:
         if self._input_order is not None:
             arrays["input_order"] = int(self._input_order.nbytes)
         total = sum(arrays.values())
+        host = s if self._host_structure is None else self._host_structure
         strategies = {}
-        for direction, view in (("forward", s), ("transpose", s.transpose())):
-            for platform in ("cpu", "gpu/tpu"):
-                strategies[f"{direction}, xla on {platform}"] = xla_kernels.choose_strategy(
-                    view, on_cpu=platform == "cpu"
-                )
-            for name in self.index.plans:
-                if name == "xla":
-                    continue
-                runs = "xla gather (one entry per row)" if view.one_per_row else "kernel"
-                if name == "pallas_gpu" and not view.one_per_row:
-                    runs += _gpu_lanes_summary(view, n_features)
-                strategies[f"{direction}, {name}"] = runs
+        for direction, view in (("forward", host), ("transpose", host.transpose())):
+            for name in (kernels.FALLBACK, *sorted(set(self.index.plans) - {kernels.FALLBACK})):
+                runs = kernels.BACKENDS[name].describe(view, n_features)
+                strategies.update({f"{direction}, {label}": v for label, v in runs.items()})
         kind = s.layout.kind + (" (transposed view)" if s.transposed else "")
         return PlanInfo(
             self.shape,
@@ -442,6 +493,7 @@ class CSRMatrix:
             self.index,
             self._input_order,
             input_order_is_columns=self._input_order_is_columns,
+            host_structure=self._host_structure,
         )
 
     @property
@@ -450,11 +502,13 @@ class CSRMatrix:
         s = self.structure
         data = None if self.data is None else s.transpose_values(self.data)
         order = None if self._input_order is None else s.transpose_values(self._input_order)
+        host = None if self._host_structure is None else self._host_structure.transpose()
         return CSRMatrix(
             data,
             self.index.transpose(),
             order,
             input_order_is_columns=self._input_order_is_columns,
+            host_structure=host,
         )
 
     # ---------------------------------------------------------------- interop
@@ -498,6 +552,32 @@ class CSRMatrix:
             )
         out = matmul(self.T, jnp.moveaxis(x, -1, 0))
         return jnp.moveaxis(out, 0, -1)
+
+    def product(
+        self, x: jax.Array, *, reduce: str, return_arg: bool, impl: str | None, interpret: bool
+    ) -> Any:
+        """:meth:`SparseOperand.product`: checks ``impl`` against this matrix's plans
+        and dtypes, then runs :func:`jaxcsr.ops.reduce_rows`."""
+        if impl is not None and impl not in self.index.plans:
+            raise ValueError(
+                f"impl={impl!r} needs a matrix planned for it, but this one has "
+                f"backends={self.backends}; build it with backends=(..., {impl!r}), e.g. "
+                f"CSRMatrix.from_indices(idx, num_rows, backends=['xla', {impl!r}])"
+            )
+        if impl is not None and not kernels.BACKENDS[impl].supports(x.dtype, self.dtype):
+            names = "/".join(sorted(str(d) for d in kernels.BACKENDS[impl].dtypes))
+            raise TypeError(
+                f"impl={impl!r} supports {names}, got X {x.dtype} and data {self.dtype}"
+            )
+        return ops.reduce_rows(
+            x,
+            self.data,
+            self.index,
+            reduce=reduce,
+            return_arg=return_arg,
+            impl=impl,
+            interpret=interpret,
+        )
 
 
 # --------------------------------------------------------------------- matmul
@@ -563,99 +643,39 @@ def matmul(
       >>> matmul(A, jnp.arange(5.0), reduce="max", return_arg=True)
       (Array([4., 3., 2., 0.], dtype=float32), Array([4, 3, 2, 5], dtype=int32))
     """
-    if not isinstance(A, CSRMatrix):
-        from jaxcsr.sharding import ShardedCSR
-
-        if isinstance(A, ShardedCSR):
-            if impl is not None or interpret:
-                raise ValueError("impl/interpret: a ShardedCSR runs each block's default")
-            return A.matmul(X, reduce=reduce, return_arg=return_arg)
+    if not isinstance(A, SparseOperand):
         raise TypeError(f"A must be a jaxcsr.CSRMatrix or ShardedCSR, got {type(A).__name__}")
-    _check_impl(impl, interpret, A)
-    _check_reduce(reduce, return_arg)
-    if isinstance(X, CSRMatrix):
+    _check_options(reduce, return_arg, impl, interpret)
+    if isinstance(X, SparseOperand):
         raise TypeError("X must be a dense array; sparse @ sparse is not supported")
     X = as_numeric(X, "X")
     if X.ndim == 0:
         raise ValueError("X must have rank >= 1, got a scalar (shape ())")
-    if reduce in xla_kernels.EXTREMES and (
+    if reduce in EXTREMES and (
         jnp.issubdtype(X.dtype, jnp.complexfloating)
         or (A.dtype is not None and jnp.issubdtype(A.dtype, jnp.complexfloating))
     ):
         raise TypeError(f"reduce={reduce!r} needs real dtypes, got X {X.dtype}, A {A.dtype}")
-    if impl not in (None, "xla") and not kernels.BACKENDS[impl].supports(X.dtype, A.dtype):
-        raise TypeError(
-            f"impl={impl!r} supports float16/bfloat16/float32, got X {X.dtype} and data {A.dtype}"
-        )
     m, n = A.shape
     if X.shape[0] != n:
         raise ValueError(f"X.shape[0] must equal A.shape[1] = {n}, got X.shape = {X.shape}")
-    s = A.structure
     features = X.shape[1:]
     x2 = X.reshape(n, int(np.prod(features, dtype=np.int64)))
-    semiring = reduce
-    if reduce == "mean" or (reduce in xla_kernels.EXTREMES and s.one_per_row):
-        semiring = "sum"  # a mean is a sum divided; one entry per row is its own max
-    out = product(
-        x2,
-        A.data,
-        A.index,
-        reduce=semiring,
-        accumulate=reduce == "mean",  # divide the float32 (int32) sum, then round once
-        impl=impl,
-        interpret=interpret,
-    )
-    if reduce == "mean":
-        out = _divide_by_degree(out, s, dtype=product_dtype(X.dtype, A.dtype))
+    result = A.product(x2, reduce=reduce, return_arg=return_arg, impl=impl, interpret=interpret)
     if not return_arg:
-        return out.reshape((m, *features))
-    x2, data, found = jax.lax.stop_gradient((x2, A.data, out))
-    arg = xla_kernels.extreme_columns(x2, data, opaque(A.index).structure, found)
+        return result.reshape((m, *features))
+    out, arg = result
     return out.reshape((m, *features)), arg.reshape((m, *features))
 
 
-def _check_impl(impl: str | None, interpret: bool, A: CSRMatrix) -> None:
-    if impl not in IMPLS:
-        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if not isinstance(interpret, bool):
-        raise TypeError(f"interpret must be a bool, got {interpret!r}")
-    if impl is not None and impl not in A.index.plans:
-        raise ValueError(
-            f"impl={impl!r} needs a matrix planned for it, but this one has "
-            f"backends={A.backends}; build it with backends=(..., {impl!r}), e.g. "
-            f"CSRMatrix.from_indices(idx, num_rows, backends=['xla', {impl!r}])"
-        )
-
-
-def _check_reduce(reduce: str, return_arg: bool) -> None:
+def _check_options(reduce: str, return_arg: bool, impl: str | None, interpret: bool) -> None:
     if reduce not in REDUCTIONS:
         raise ValueError(f"reduce must be one of {REDUCTIONS}, got {reduce!r}")
     if not isinstance(return_arg, bool):
         raise TypeError(f"return_arg must be a bool, got {return_arg!r}")
-    if return_arg and reduce not in xla_kernels.EXTREMES:
+    if return_arg and reduce not in EXTREMES:
         raise ValueError(f"return_arg=True needs reduce='max' or 'min', got {reduce!r}")
-
-
-def _divide_by_degree(total: jax.Array, structure: Structure, dtype) -> jax.Array:
-    """Row sums (accumulation dtype) -> row means in ``dtype``; empty rows stay 0.
-    Integers use floor division."""
-    degree = jnp.maximum(structure.degrees(), 1)[:, None].astype(total.dtype)
-    if jnp.issubdtype(total.dtype, jnp.integer):
-        return jnp.floor_divide(total, degree).astype(dtype)
-    return (total / degree).astype(dtype)
-
-
-def _gpu_lanes_summary(view, n_features: int | None) -> str:
-    """How the Triton kernel's plan fills its lanes for one view (plan_info)."""
-    indices = None if view.layout.kind == "columns" else np.asarray(view.view_indices())
-    stats = gpu_kernels.lane_stats(np.asarray(view.view_indptr()), indices)
-    order = "CSR" if stats.csr_order else "length-sorted"
-    text = (
-        f": {stats.short_rows} short rows ({order}, lane utilisation "
-        f"{stats.utilisation:.2f}, distinct columns per nonzero "
-        f"{stats.distinct_csr if stats.csr_order else stats.distinct_sorted:.2f}), "
-        f"{stats.long_rows} long rows in {stats.chunks} chunks"
-    )
-    if n_features:
-        text += f"; tiles {gpu_kernels.tile_config(n_features)}"
-    return text
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {tuple(IMPLS)}, got {impl!r}")
+    if not isinstance(interpret, bool):
+        raise TypeError(f"interpret must be a bool, got {interpret!r}")

@@ -3,25 +3,32 @@
 Reading order (as in ``jax.experimental.sparse``): primitive -> binding -> impl ->
 abstract eval -> JVP -> transpose -> batching -> lowerings. The public function is
 :func:`jaxcsr.matmul` (in :mod:`jaxcsr.matrix`); this module knows nothing of
-``CSRMatrix``: it takes an :class:`Index`, the matrix's planned structure.
+``CSRMatrix``: it takes an :class:`Index`, the matrix's planned structure, and runs
+whatever backend the registry (:mod:`jaxcsr.kernels`) names -- it never branches on
+a backend's name.
+
+:func:`reduce_rows` is what every product means: the primitive for ``"sum"``,
+``"max"`` and ``"min"`` (the semiring), ``"mean"`` as the sum in the accumulation
+dtype divided by the row degrees, and ``return_arg``'s search for the attaining
+columns. Empty products (no stored entry, or no feature) are answered here, once,
+before any backend runs.
 
 Operands of the primitive: ``x`` (2-D, ``(n, F)``), then ``data`` when the matrix
 has values, then the leaves of the :class:`Index` (the portable
 :class:`~jaxcsr.structure.Structure` and the per-backend plans). Static params:
 ``index_tree`` (the Index's treedef: layout, view and which plans are present),
-``has_data``, ``reduce`` (``"sum"``, ``"max"`` or ``"min"``: the semiring; ``"mean"``
-is a sum divided outside the primitive), ``accumulate`` (return the sum in the
-accumulation dtype -- float32 for 16-bit floats -- instead of rounding it to the
-product dtype; what the mean divides), ``impl`` and ``interpret``.
+``has_data``, ``reduce`` (``"sum"``, ``"max"`` or ``"min"``), ``accumulate`` (return
+the sum in the accumulation dtype -- float32 for 16-bit floats -- instead of rounding
+it to the product dtype; what the mean divides), ``impl`` and ``interpret``.
 
 The sum is bilinear in ``(X, data)``: its JVP binds the primitive on the tangents and
 its transpose is the product with the transposed view (and an SDDMM for ``data``).
 Max and min are piecewise linear: their JVP takes the tangents at the entry that
 attains each output, so the gradient reaches the arg positions only. For at most one
 nonzero per column (``from_indices``) it is the masked sum ``A @ (mask * dX)``
-(:func:`jaxcsr.kernels.xla.extreme_column_mask`), transposed by the sum's own rule;
-otherwise a gather at :func:`jaxcsr.kernels.xla.extreme_positions`, which JAX
-transposes into a scatter-add.
+(the fallback's ``arg_search.column_mask``), transposed by the sum's own rule;
+otherwise a gather at ``arg_search.positions``, which JAX transposes into a
+scatter-add.
 """
 
 from __future__ import annotations
@@ -42,10 +49,11 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxcsr import kernels
 from jaxcsr.dtypes import accumulation_dtype, product_dtype
-from jaxcsr.kernels import xla as xla_kernels
+from jaxcsr.kernels import IMPLS
 from jaxcsr.structure import Structure
 
 __all__ = [
+    "EXTREMES",
     "IMPLS",
     "REDUCTIONS",
     "STATIC_STRUCTURE_MESSAGE",
@@ -55,11 +63,14 @@ __all__ = [
     "csr_matmul_p",
     "opaque",
     "product",
+    "reduce_rows",
+    "sample",
 ]
 
-IMPLS: tuple[str | None, ...] = (None, *kernels.BACKENDS)
-"""``impl=`` values: ``None`` (the platform's planned kernel, else XLA) or a backend."""
 REDUCTIONS: tuple[str, ...] = ("sum", "mean", "max", "min")
+"""``reduce=`` values of every product."""
+EXTREMES: tuple[str, ...] = ("max", "min")
+"""The reductions with an arg (``return_arg``) and a piecewise-linear gradient."""
 STATIC_STRUCTURE_MESSAGE = (
     "vmap over a stack of CSRMatrix structures (batched index arrays) is not supported: "
     "the structure is static (planned on the host). What works: lax.scan or a "
@@ -80,6 +91,15 @@ class Index:
 
     structure: Structure
     plans: dict[str, Any]
+
+    @classmethod
+    def planned(cls, structure: Structure, backends: Any = None) -> Index:
+        """Plans ``backends`` (names, validated by
+        :func:`~jaxcsr.kernels.resolve_backends`; ``None``: the defaults) on
+        ``structure``. Host structures (numpy leaves) stay on the host: moving the
+        index to the device is the caller's."""
+        names = kernels.resolve_backends(backends)
+        return cls(structure, {name: kernels.BACKENDS[name].plan(structure) for name in names})
 
     def transpose(self) -> Index:
         """The transposed view; plans cover both directions, so they are shared."""
@@ -117,12 +137,12 @@ def opaque(index: Index) -> Index:
     """``index`` behind an optimization barrier.
 
     A matrix closed over by a jitted function makes its index arrays XLA constants.
-    The data gradient (SDDMM) gathers ``X[indices]`` and ``ct[rows]``; when ``X`` is
-    a closed-over constant too (features in a GCN), XLA constant-folds that
-    ``(nnz, F)`` gather at every compilation (1.3 s for 1M entries, F = 16, on
-    tolokers). Behind the barrier the indices are opaque and the gather runs at run
-    time. The products themselves keep constant indices: XLA:CPU runs some gathers
-    with constant indices faster (bfloat16 row gathers: 4.2 vs 6.1 ms on tolokers).
+    The data gradient (SDDMM) and the arg search gather ``X[indices]`` and
+    ``ct[rows]``; when ``X`` is a closed-over constant too (features in a GCN), XLA
+    would constant-fold that ``(nnz, F)`` gather at every compilation. Behind the
+    barrier the indices are opaque and the gather runs at run time. The products
+    themselves keep constant indices (XLA:CPU runs some gathers with constant indices
+    faster). Measurements: docs/design.md, "Matrices closed over as constants".
     """
     leaves, tree = jax.tree_util.tree_flatten(index)
     if not leaves:
@@ -135,28 +155,101 @@ def _out_dtype(x_dtype, data_dtype, accumulate: bool):
     return accumulation_dtype(dtype) if accumulate else dtype
 
 
-# ---------------------------------------------------------------- impl / eval
-def kernel_for(impl: str | None, platform: str, index: Index, x_dtype, data_dtype) -> str | None:
-    """The Pallas backend that runs the view on ``platform``, or ``None`` for XLA.
+def _is_empty(structure: Structure, width: int) -> bool:
+    """No stored entry or no feature: every product, arg and tangent is a constant.
+    Answered here so that no backend sees an empty operand."""
+    return structure.nnz == 0 or width == 0
 
-    An explicit kernel ``impl`` runs where its plan is present (the caller checked);
-    ``impl=None`` runs the platform's kernel when the matrix carries its plan, the
-    dtypes suit it and this jax ships what the kernel is written in (else one warning
-    per process and XLA); an explicit kernel this jax cannot run raises. One-per-row
-    views (row gathers) run on XLA everywhere.
+
+def reduce_rows(
+    x: jax.Array,
+    data: jax.Array | None,
+    index: Index,
+    *,
+    reduce: str = "sum",
+    return_arg: bool = False,
+    impl: str | None = None,
+    interpret: bool = False,
+) -> Any:
+    """``A @ x`` for a 2-D ``x`` with any of :data:`REDUCTIONS` (validated by the caller).
+
+    ``"mean"`` divides the sum, carried in the accumulation dtype, by the row degrees
+    (floor division for integers) and rounds once; a view with one entry per row is
+    its own max/min, so it runs the sum. ``return_arg`` adds the column attaining each
+    max/min (sentinel ``n`` for empty rows), found by the fallback's arg search.
     """
-    if index.structure.one_per_row or impl == "xla":
-        return None
+    s = index.structure
+    semiring = reduce
+    if reduce == "mean" or (reduce in EXTREMES and s.one_per_row):
+        semiring = "sum"
+    out = product(
+        x,
+        data,
+        index,
+        reduce=semiring,
+        accumulate=reduce == "mean",
+        impl=impl,
+        interpret=interpret,
+    )
+    if reduce == "mean":
+        dtype = product_dtype(x.dtype, None if data is None else data.dtype)
+        out = _divide_by_degree(out, s, dtype)
+    if not return_arg:
+        return out
+    x, data, found = jax.lax.stop_gradient((x, data, out))
+    if _is_empty(s, x.shape[1]):
+        return out, jnp.full(out.shape, s.shape[1], jnp.int32)
+    search = kernels.fallback().arg_search
+    return out, search.columns(x, data, opaque(index).structure, found)
+
+
+def _divide_by_degree(total: jax.Array, structure: Structure, dtype) -> jax.Array:
+    """Row sums (accumulation dtype) -> row means in ``dtype``; empty rows stay 0.
+    Integers use floor division."""
+    degree = jnp.maximum(structure.degrees(), 1)[:, None].astype(total.dtype)
+    if jnp.issubdtype(total.dtype, jnp.integer):
+        return jnp.floor_divide(total, degree).astype(dtype)
+    return (total / degree).astype(dtype)
+
+
+def sample(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> jax.Array:
+    """``ct @ x.T`` at the stored entries of the view, ``(nnz,)`` in its CSR order: the
+    values' cotangent and :func:`jaxcsr.sddmm`, run by the fallback backend."""
+    if _is_empty(structure, 1):
+        return jnp.zeros((structure.nnz,), out_dtype)
+    return kernels.fallback().sddmm(ct, x, structure, out_dtype=out_dtype)
+
+
+# ---------------------------------------------------------------- impl / eval
+def backend_for(
+    impl: str | None, platform: str, index: Index, x_dtype, data_dtype
+) -> kernels.Backend:
+    """The registry entry that runs the view on ``platform``.
+
+    A view the backend does not cover (one entry per row, for the Pallas kernels)
+    runs on the fallback. An explicit ``impl`` runs where its plan is present (the
+    caller checked); an explicit backend this jax cannot run raises. ``impl=None``
+    runs the platform's kernel when the matrix carries its plan, the dtypes suit it
+    and this jax ships what the kernel is written in (else one warning per process),
+    and the fallback otherwise.
+    """
+    view = index.structure
     if impl is not None:
-        kernels.BACKENDS[impl].require_available()
-        return impl
+        backend = kernels.BACKENDS[impl]
+        if not backend.covers(view):
+            return kernels.fallback()
+        backend.require_available()
+        return backend
     name = kernels.platform_kernel(platform)
     if name is None or name not in index.plans:
-        return None
-    if not kernels.BACKENDS[name].available():
-        kernels.BACKENDS[name].warn_unavailable()
-        return None
-    return name if kernels.BACKENDS[name].supports(x_dtype, data_dtype) else None
+        return kernels.fallback()
+    backend = kernels.BACKENDS[name]
+    if not backend.available():
+        backend.warn_unavailable()
+        return kernels.fallback()
+    if backend.supports(x_dtype, data_dtype) and backend.covers(view):
+        return backend
+    return kernels.fallback()
 
 
 def _lowered_impl(
@@ -169,38 +262,29 @@ def _lowered_impl(
     interpret: bool,
     platform: str,
 ) -> jax.Array:
-    """What runs on one platform: a Pallas kernel or an XLA strategy."""
+    """What runs on one platform: the chosen backend's product."""
     x, data, index = _unpack(operands, index_tree, has_data)
     s = index.structure
     data_dtype = None if data is None else data.dtype
-    kernel = kernel_for(impl, platform, index, x.dtype, data_dtype)
-    m, n = s.shape
-    if kernel is not None:
-        backend = kernels.BACKENDS[kernel]
-        if platform != backend.platform and not interpret:
-            raise NotImplementedError(
-                f"impl={kernel!r} needs platform {backend.platform!r} (platform is "
-                f"{platform!r}); pass interpret=True to run it in Pallas interpret mode"
-            )
-        out_dtype = _out_dtype(x.dtype, data_dtype, accumulate)
-        if m == 0 or n == 0 or x.shape[1] == 0 or s.nnz == 0:
-            return jnp.zeros((m, x.shape[1]), out_dtype)
-        # The kernels return ``out_dtype`` with empty rows zero for every reduction.
-        return backend.product(
-            x,
-            data,
-            s,
-            index.plans[kernel],
-            reduce=reduce,
-            out_dtype=out_dtype,
-            interpret=interpret,
+    out_dtype = _out_dtype(x.dtype, data_dtype, accumulate)
+    if _is_empty(s, x.shape[1]):
+        return jnp.zeros((s.shape[0], x.shape[1]), out_dtype)
+    backend = backend_for(impl, platform, index, x.dtype, data_dtype)
+    if backend.platform not in (None, platform) and not interpret:
+        raise NotImplementedError(
+            f"impl={backend.name!r} needs platform {backend.platform!r} (platform is "
+            f"{platform!r}); pass interpret=True to run it in Pallas interpret mode"
         )
-    elif reduce == "sum":
-        strategy = xla_kernels.choose_strategy(s, on_cpu=platform == "cpu", width=x.shape[1])
-        out = xla_kernels.spmm(x, data, s, strategy=strategy)
-    else:
-        out = xla_kernels.spmm_extreme(x, data, s, reduce=reduce)
-    return out.astype(_out_dtype(x.dtype, data_dtype, accumulate))
+    return backend.product(
+        x,
+        data,
+        s,
+        index.plans.get(backend.name),
+        reduce=reduce,
+        out_dtype=out_dtype,
+        interpret=interpret,
+        platform=platform,
+    )
 
 
 @functools.cache
@@ -248,13 +332,14 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
     nnz = s.nnz
     x_live = type(x_dot) is not ad.Zero
     data_live = data_dot is not None and type(data_dot) is not ad.Zero
-    if nnz == 0 or not (x_live or data_live):
+    if _is_empty(s, x.shape[1]) or not (x_live or data_live):
         return jnp.zeros_like(out)
+    search = kernels.fallback().arg_search
     sum_params = {**params, "reduce": "sum", "accumulate": False}
     if s.one_per_column:
         # <= 1 nonzero per column (from_indices): the tangent is a masked sum,
         # A @ (mask * x_dot), whose transpose is a row gather times the mask.
-        mask = jax.lax.stop_gradient(xla_kernels.extreme_column_mask(x, data, s, out))
+        mask = jax.lax.stop_gradient(search.column_mask(x, data, s, out))
         tangent = jnp.zeros(out.shape, out.dtype)
         if x_live:
             masked = jnp.where(mask, x_dot, jnp.zeros((), x_dot.dtype))
@@ -263,7 +348,7 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
             masked = jnp.where(mask, x, jnp.zeros((), x.dtype))
             tangent = tangent + product(masked, data_dot, index, **sum_params)
         return tangent.astype(out.dtype)
-    position = jax.lax.stop_gradient(xla_kernels.extreme_positions(x, data, s, out))
+    position = jax.lax.stop_gradient(search.positions(x, data, s, out))
     valid = position < nnz
     position = jnp.minimum(position, nnz - 1)
     columns = s.view_indices()[position]  # (m, F)
@@ -299,7 +384,7 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
         x_ct = product(ct, t_data, index.transpose(), **params)
         cts[0] = x_ct.astype(x.aval.dtype)
     if data is not None and ad.is_undefined_primal(data):
-        cts[1] = xla_kernels.sddmm(ct, x, opaque(index).structure, out_dtype=data.aval.dtype)
+        cts[1] = sample(ct, x, opaque(index).structure, out_dtype=data.aval.dtype)
     return cts
 
 

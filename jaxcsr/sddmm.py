@@ -20,10 +20,9 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jaxcsr.dtypes import as_numeric
-from jaxcsr.kernels import xla as xla_kernels
 from jaxcsr.matrix import CSRMatrix
-from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE, ShapedArray, def_jitted_impl
+from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE, ShapedArray, def_jitted_impl, sample
+from jaxcsr.validation import as_numeric
 
 __all__ = ["sddmm", "sddmm_p"]
 
@@ -87,7 +86,7 @@ def _pattern(leaves, index_tree) -> CSRMatrix:
 
 def _impl(x, y, *leaves, index_tree, out_dtype) -> jax.Array:
     structure = _pattern(leaves, index_tree).structure
-    per_head = functools.partial(xla_kernels.sddmm, structure=structure, out_dtype=out_dtype)
+    per_head = functools.partial(sample, structure=structure, out_dtype=out_dtype)
     return jax.vmap(per_head, in_axes=(1, 1), out_axes=1)(x, y)
 
 

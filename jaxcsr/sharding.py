@@ -38,9 +38,19 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from jaxcsr import plan
-from jaxcsr.matrix import CSRMatrix, matmul
+from jaxcsr.matrix import CSRMatrix, SparseOperand, matmul
+from jaxcsr.ops import Index
+from jaxcsr.structure import Structure
+from jaxcsr.validation import is_traced
 
-__all__ = ["ShardedCSR", "balanced_row_blocks", "block_capacity", "shard"]
+__all__ = [
+    "BlockPlan",
+    "ShardedCSR",
+    "balanced_row_blocks",
+    "block_capacity",
+    "plan_blocks",
+    "shard",
+]
 
 BALANCES = ("nnz", "rows")
 
@@ -162,7 +172,7 @@ class _Layout(NamedTuple):
 
 
 def _on_host(leaf: Any, name: str) -> np.ndarray:
-    if isinstance(leaf, jax.core.Tracer):
+    if is_traced(leaf):
         raise ValueError(
             f"S.{name} is host metadata of the sharded layout; read it outside jax.jit "
             "(inside, S's layout arrays are traced)"
@@ -171,7 +181,7 @@ def _on_host(leaf: Any, name: str) -> np.ndarray:
 
 
 @jax.tree_util.register_pytree_node_class
-class ShardedCSR:
+class ShardedCSR(SparseOperand):
     """A :class:`~jaxcsr.matrix.CSRMatrix` split into row blocks over a mesh axis.
 
     Build it with :func:`shard`. ``S @ x`` (or ``jaxcsr.matmul(S, x, reduce=...,
@@ -202,6 +212,11 @@ class ShardedCSR:
         """``(m, columns)``: ``A``'s rows; ``A``'s columns (SpMM form) or the laid-out
         edges ``shards * block columns`` (segment form)."""
         return self._plan.shape
+
+    @property
+    def dtype(self) -> np.dtype | None:
+        """dtype of the values; ``None`` for a one-valued matrix."""
+        return None if self._data is None else np.dtype(self._data.dtype)
 
     @property
     def mesh(self):
@@ -266,7 +281,7 @@ class ShardedCSR:
         return _on_host(self._layout.data_order, "data_order")
 
     def __repr__(self) -> str:
-        if isinstance(self._layout.block_nnz, jax.core.Tracer):
+        if is_traced(self._layout.block_nnz):
             return f"ShardedCSR(shape={self.shape}, form={self.form!r}, traced layout)"
         return (
             f"ShardedCSR(shape={self.shape}, form={self.form!r}, shards={self.num_shards} "
@@ -306,14 +321,20 @@ class ShardedCSR:
 
     # ------------------------------------------------------------- products
     def __matmul__(self, x: Any) -> jax.Array:
-        return self.matmul(x)
+        return matmul(self, x)
 
     def matmul(self, x: Any, *, reduce: str = "sum", return_arg: bool = False):
         """``A @ x`` with ``reduce`` (see :func:`jaxcsr.matmul`), row-sharded."""
-        x = jnp.asarray(x)
-        if x.ndim == 0 or x.shape[0] != self.shape[1]:
-            raise ValueError(f"x.shape[0] must equal S.shape[1] = {self.shape[1]}, got {x.shape}")
-        return _sharded_product(self, x, reduce, bool(return_arg))
+        return matmul(self, x, reduce=reduce, return_arg=return_arg)
+
+    def product(
+        self, x: jax.Array, *, reduce: str, return_arg: bool, impl: str | None, interpret: bool
+    ) -> Any:
+        """:meth:`~jaxcsr.matrix.SparseOperand.product`: every device runs its block's
+        default backend inside one ``shard_map``."""
+        if impl is not None or interpret:
+            raise ValueError("impl/interpret: a ShardedCSR runs each block's default")
+        return _sharded_product(self, x, reduce, return_arg)
 
     def communication(self, n_features: int, dtype: Any = jnp.float32) -> dict[str, int]:
         """Bytes one device sends per product (forward; the backward moves the same
@@ -355,13 +376,100 @@ def _relayout_rows(row_starts, m) -> np.ndarray:
 
 
 # --------------------------------------------------------------------- planning
+@dataclasses.dataclass(frozen=True)
+class BlockPlan:
+    """Where a matrix's rows and entries go, one contiguous row block per shard (host).
+
+    Attributes:
+      row_starts: ``(shards + 1,)`` first row of each block, then ``m``.
+      block_nnz: ``(shards,)`` stored entries of each block.
+      block_rows: row capacity of every block (without the trash row).
+      block_cols: entry capacity of every block, ``K_b``.
+      data_order: ``(shards, K_b)`` position in the matrix's CSR order of each block
+        slot (``-1``: padding).
+    """
+
+    row_starts: np.ndarray
+    block_nnz: np.ndarray
+    block_rows: int
+    block_cols: int
+    data_order: np.ndarray
+
+
+def plan_blocks(indptr: np.ndarray, shards: int, balance: str = "nnz") -> BlockPlan:
+    """Splits the rows of a CSR row pointer into ``shards`` padded blocks (pure numpy).
+
+    ``balance="nnz"``: :func:`balanced_row_blocks`; ``"rows"``: the output's even row
+    split. Capacities follow :func:`block_capacity` (steps from the balanced sizes), so
+    structures of equal shape and nnz whose blocks fit the same steps share one
+    compilation.
+    """
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
+    indptr = np.asarray(indptr).astype(np.int64)
+    m, nnz = indptr.size - 1, int(indptr[-1])
+    rows = _rows_per_part(m, shards)
+    if balance == "nnz":
+        starts = balanced_row_blocks(np.diff(indptr), shards)
+        most = np.diff(starts).max(initial=0)
+        block_rows = min(block_capacity(most, ROW_BASE * rows, ROW_STEPS), max(m, most))
+    else:  # the even split: its row count follows the shape alone
+        starts = _even_row_blocks(m, shards)
+        block_rows = rows
+    block_nnz = indptr[starts[1:]] - indptr[starts[:-1]]
+    largest = int(block_nnz.max(initial=0))
+    balanced_nnz = int(np.ceil(SLACK * nnz / shards))
+    k_b = min(block_capacity(largest, balanced_nnz, NNZ_STEPS), max(nnz, largest))
+    data_order = np.full((shards, k_b), -1, np.int64)
+    for p in range(shards):
+        lo, hi = int(indptr[starts[p]]), int(indptr[starts[p + 1]])
+        data_order[p, : hi - lo] = np.arange(lo, hi)
+    return BlockPlan(starts, block_nnz, int(block_rows), int(k_b), data_order)
+
+
+def _block_structure(
+    indptr: np.ndarray, indices: np.ndarray, blocks: BlockPlan, p: int, n: int, segment: bool
+) -> Structure:
+    """Host structure of block ``p``: its rows, empty rows up to the row capacity, then
+    the trash row that holds the padding entries (so every block has one layout)."""
+    starts, k_b = blocks.row_starts, blocks.block_cols
+    lo, hi = int(indptr[starts[p]]), int(indptr[starts[p + 1]])
+    own = indptr[starts[p] : starts[p + 1] + 1].astype(np.int64) - lo
+    empty = np.full(blocks.block_rows - (starts[p + 1] - starts[p]), hi - lo)
+    local_indptr = np.concatenate([own, empty, [k_b]])
+    if segment:  # the block's columns are its own entries, in order
+        ids = plan.row_ids(local_indptr.astype(np.int32))
+        return plan.structure_from_segment_ids(ids, blocks.block_rows + 1)
+    cols = np.zeros(k_b, np.int32)
+    cols[: hi - lo] = indices[lo:hi]
+    shape = (blocks.block_rows + 1, n)
+    return plan.general_structure(local_indptr.astype(np.int32), cols, shape)
+
+
+def _place_blocks(structures, backends, sharding) -> tuple[list[jax.Array], Any]:
+    """Plans every block for ``backends`` on the host and places block ``p``'s arrays on
+    device ``p`` (stacked along a leading shard axis). Returns the leaves and the treedef."""
+    indexes = [Index.planned(s, backends) for s in structures]
+    trees = {jax.tree_util.tree_structure(i) for i in indexes}
+    assert len(trees) == 1, "row blocks must share one static layout"
+    leaves = [
+        jax.device_put(np.stack([np.asarray(x) for x in parts]), sharding)
+        for parts in zip(*(jax.tree_util.tree_leaves(i) for i in indexes), strict=True)
+    ]
+    return leaves, trees.pop()
+
+
 def shard(
     A: CSRMatrix, mesh, axis: str, *, balance: str = "nnz", form: str | None = None
 ) -> ShardedCSR:
     """Splits ``A``'s rows over mesh axis ``axis`` (host planning, once).
 
+    The blocks are planned from ``A``'s host structure (:attr:`CSRMatrix.host_structure`):
+    nothing is read back from the device. ``A``'s values are laid out on the device.
+
     Args:
-      A: any :class:`~jaxcsr.matrix.CSRMatrix` (concrete, not traced).
+      A: a :class:`~jaxcsr.matrix.CSRMatrix` as a constructor returned it (concrete,
+        not traced, with its host structure).
       mesh: a ``jax.sharding.Mesh``.
       axis: the mesh axis name to split rows over.
       balance: ``"nnz"`` (default: contiguous row blocks minimising the largest
@@ -385,64 +493,30 @@ def shard(
         raise ValueError(f"form must be None, 'segment' or 'spmm', got {form!r}")
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
-    if any(isinstance(leaf, jax.core.Tracer) for leaf in jax.tree_util.tree_leaves(A)):
+    if is_traced(A):
         raise ValueError(
             "A holds traced values: jaxcsr.shard plans on the host, so call it outside "
             "jax.jit/grad on a matrix with concrete values (or none), then pass traced "
             "values in with S.with_data(values), laid out as S.data_order says"
         )
-    shards = int(mesh.shape[axis])
-    m, n = A.shape
-    indptr = np.asarray(A.indptr).astype(np.int64)
-    lengths = np.diff(indptr)
-    if balance == "nnz":
-        starts = balanced_row_blocks(lengths, shards)
-    else:
-        starts = _even_row_blocks(m, shards)
-    block_nnz = indptr[starts[1:]] - indptr[starts[:-1]]
-    rows = _rows_per_part(m, shards)
-    if balance == "rows":  # the even split: its row count follows the shape alone
-        block_rows = rows
-    else:
-        most = np.diff(starts).max(initial=0)
-        block_rows = min(block_capacity(most, ROW_BASE * rows, ROW_STEPS), max(m, most))
-    balanced_nnz = int(np.ceil(SLACK * A.nnz / shards))
-    largest = int(block_nnz.max(initial=0))
-    k_b = min(block_capacity(largest, balanced_nnz, NNZ_STEPS), max(A.nnz, largest))
-    from_indices = A._input_order_is_columns and A.structure.one_per_column
-    segment = from_indices if form is None else form == "segment"
+    if A.host_structure is None:
+        raise ValueError(
+            "A has no host structure (it was rebuilt from its leaves, e.g. returned by a "
+            "jitted function); shard the matrix a CSRMatrix constructor returned"
+        )
+    segment = A.columns_are_inputs if form is None else form == "segment"
     if segment and not A.structure.one_per_column:
         raise ValueError("form='segment' needs at most one entry per column (from_indices)")
-    data = None if A.data is None else np.asarray(A.data)
-    blocks, data_order = [], np.full((shards, k_b), -1, np.int64)
-    for p in range(shards):
-        lo, hi = int(indptr[starts[p]]), int(indptr[starts[p + 1]])
-        data_order[p, : hi - lo] = np.arange(lo, hi)
-        # the block's rows, empty rows up to block_rows, then the trash row that
-        # holds the padding entries
-        own = indptr[starts[p] : starts[p + 1] + 1] - lo
-        empty = np.full(block_rows - (starts[p + 1] - starts[p]), hi - lo)
-        local_indptr = np.concatenate([own, empty, [k_b]])
-        if segment:
-            ids = np.repeat(np.arange(block_rows + 1), np.diff(local_indptr))
-            blocks.append(CSRMatrix.from_indices(ids, block_rows + 1, backends=A.backends).index)
-        else:
-            cols = np.zeros(k_b, np.int64)
-            cols[: hi - lo] = np.asarray(A.indices)[lo:hi]
-            structure = plan.general_structure(
-                local_indptr.astype(np.int32), cols.astype(np.int32), (block_rows + 1, n)
-            )
-            blocks.append(CSRMatrix._planned(structure, None, A.backends).index)
-    trees = {jax.tree_util.tree_structure(b) for b in blocks}
-    assert len(trees) == 1, "row blocks must share one static layout"
+    shards = int(mesh.shape[axis])
+    m, n = A.shape
+    indptr, indices = plan.host_csr(A.host_structure)
+    blocks = plan_blocks(indptr, shards, balance)
+    structures = [_block_structure(indptr, indices, blocks, p, n, segment) for p in range(shards)]
     sharding = NamedSharding(mesh, P(axis))
-    leaves = [
-        jax.device_put(np.stack([np.asarray(x) for x in parts]), sharding)
-        for parts in zip(*(jax.tree_util.tree_leaves(b) for b in blocks), strict=True)
-    ]
-    if segment:
-        # a column of a one-per-column matrix is its entry's input position
-        columns_of = np.asarray(A.indices).astype(np.int64)
+    leaves, index_tree = _place_blocks(structures, A.backends, sharding)
+    k_b, data_order = blocks.block_cols, blocks.data_order
+    if segment:  # a column of a one-per-column matrix is its entry's input position
+        columns_of = indices.astype(np.int64)
         input_order = np.where(data_order >= 0, columns_of[np.maximum(data_order, 0)], -1).ravel()
         columns = shards * k_b
     else:
@@ -450,28 +524,31 @@ def shard(
         columns = n
     replicated = NamedSharding(mesh, P())
     layout = _Layout(
-        row_starts=jax.device_put(starts.astype(np.int32), replicated),
-        block_nnz=jax.device_put(block_nnz.astype(np.int32), replicated),
+        row_starts=jax.device_put(blocks.row_starts.astype(np.int32), replicated),
+        block_nnz=jax.device_put(blocks.block_nnz.astype(np.int32), replicated),
         input_order=jax.device_put(input_order.astype(np.int32), sharding),
         data_order=jax.device_put(data_order.ravel().astype(np.int32), sharding),
     )
     laid_data = None
-    if data is not None:
-        padded = np.where(data_order >= 0, data[np.maximum(data_order, 0)], 0).ravel()
-        laid_data = jax.device_put(padded.astype(data.dtype), sharding)
-    send, recv, shifts, aligned = _relayout_plan(starts, m, block_rows, shards, balance)
+    if A.data is not None:  # laid out on the device: the values never visit the host
+        order = jnp.asarray(data_order.ravel())
+        picked = jnp.where(order >= 0, A.data[jnp.maximum(order, 0)], 0).astype(A.data.dtype)
+        laid_data = jax.device_put(picked, sharding)
+    send, recv, shifts, aligned = _relayout_plan(
+        blocks.row_starts, m, blocks.block_rows, shards, balance
+    )
     plan_ = _Plan(
         mesh=mesh,
         axis=axis,
         shape=(m, columns),
         form="segment" if segment else "spmm",
         balance=balance,
-        block_rows=block_rows,
+        block_rows=blocks.block_rows,
         block_cols=k_b if segment else n,
         shifts=shifts,
         aligned=aligned,
-        index_tree=trees.pop(),
-        has_data=data is not None,
+        index_tree=index_tree,
+        has_data=A.data is not None,
     )
     if not aligned:
         send, recv = jax.device_put(send, sharding), jax.device_put(recv, sharding)
@@ -581,8 +658,8 @@ def _block_product(x, *rest, plan_: _Plan, rows: int, reduce: str, return_arg: b
     data = rest.pop(0) if plan_.has_data else None
     send, recv = (rest[0][0], rest[1][0]) if not plan_.aligned else (None, None)
     index = jax.tree_util.tree_unflatten(plan_.index_tree, leaves)
-    block = CSRMatrix(data, index, None)
-    out = matmul(block, x, reduce=reduce, return_arg=return_arg)
+    block = CSRMatrix(data, index)
+    out = block.product(x, reduce=reduce, return_arg=return_arg, impl=None, interpret=False)
     if not return_arg:
         return _relayout(out, send, recv, plan_, rows)
     out, arg = out

@@ -31,8 +31,7 @@ gathers and three ``(nnz, H)`` temporaries forward, more backward:
   mode and higher orders work too.
 * **The row sums run the planned product** of a one-valued matrix that maps each
   entry to its row (:func:`rows_pattern`), so the platform's strategy runs -- on CPU
-  the scatter or jaxlib's CSR kernel chosen by feature width
-  (:func:`jaxcsr.kernels.xla.choose_strategy`).
+  the scatter or jaxlib's CSR kernel chosen by feature width.
 
 Scores and results are in float32 (float64 under x64) inside; 16-bit inputs are cast
 back at the end. A row whose scores are all ``-inf`` gives NaN, as ``jax.nn.softmax``.
@@ -47,10 +46,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcsr.dtypes import accumulation_dtype, as_numeric
+from jaxcsr.dtypes import accumulation_dtype
 from jaxcsr.matrix import CSRMatrix, matmul
 from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE, Index
-from jaxcsr.structure import Layout, Structure
+from jaxcsr.validation import as_numeric
 
 __all__ = ["SAFE_TOTAL", "edge_softmax", "fast_path_safe", "max_safe_total", "rows_pattern"]
 
@@ -83,11 +82,8 @@ def rows_pattern(A: CSRMatrix) -> CSRMatrix:
     ``A``; ``R.T @ w`` broadcasts per-row values to the entries. Built on the device
     from ``A``'s structure (no host work, valid under ``jit``); it runs on the XLA path.
     """
-    s = A.structure
-    m = s.shape[0]
-    layout = Layout((m, s.nnz), s.nnz, "columns", sorted_ids=True)
-    rows = Structure(s.view_indptr(), None, s.row_ids(), None, None, None, layout)
-    return CSRMatrix(None, Index(rows, {"xla": None}))
+    # no kernel plan (the index is device data): the fallback backend runs it
+    return CSRMatrix(None, Index.planned(A.structure.entry_rows(), backends=()))
 
 
 def edge_softmax(A: CSRMatrix, scores: Any) -> jax.Array:
@@ -173,10 +169,10 @@ def _broadcast(per_row: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
 def _elementwise(fn, *arrays: jax.Array) -> jax.Array:
     """``fn(*arrays)`` for equal-shape arrays; a single ``(n, 1)`` column runs 1-D.
 
-    XLA:CPU does not vectorise elementwise loops over a ``(n, 1)`` array: ``exp`` of
-    2.7M floats takes 4.9 ms as ``(n, 1)`` and 1.05 ms as ``(n,)`` (2 cores). XLA
-    folds plain reshapes back into the loop, so the 1-D views sit behind optimization
-    barriers (no copies: the reshapes are bitcasts).
+    XLA:CPU does not vectorise elementwise loops over a ``(n, 1)`` array (it does over
+    ``(n,)``). XLA folds plain
+    reshapes back into the loop, so the 1-D views sit behind optimization barriers (no
+    copies: the reshapes are bitcasts).
     """
     if arrays[0].ndim != 2 or arrays[0].shape[1] != 1:
         return fn(*arrays)

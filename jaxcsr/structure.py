@@ -216,6 +216,15 @@ class Structure:
             return per_row
         return per_row[self._nonempty_column_ids()]
 
+    def entry_rows(self) -> Structure:
+        """The ``"columns"`` structure of the one-valued ``(rows, nnz)`` matrix
+        ``R[row(k), k] = 1`` over the view's stored entries ``k`` (CSR order, so its
+        ids are sorted): ``R @ v`` sums per-entry values over each row. Derived on the
+        device (valid under ``jit``)."""
+        m = self.shape[0]
+        layout = Layout((m, self.nnz), self.nnz, "columns", sorted_ids=True)
+        return Structure(self.view_indptr(), None, self.row_ids(), None, None, None, layout)
+
     # ------------------------------------------------------------- internals
     def _planned_indices(self) -> jax.Array:
         if self.layout.sorted_ids:

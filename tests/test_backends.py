@@ -215,3 +215,97 @@ def test_one_trace_for_random_graphs_of_equal_shape_and_nnz(rng, impl, interpret
         cols = np.asarray(A.indices)
         assert_close(d_data, np.sum(ct[rows] * x[cols], axis=1, dtype=np.float64), np.float32)
     assert len(traces) == 1
+
+
+# ------------------------------------------------------ a backend added later
+@pytest.fixture
+def toy_backend():
+    """A backend registered from user code: a segment reduction over row ids it plans
+    on the host. It covers untransposed views only (transposes run on the fallback)
+    and counts the products it is asked for."""
+    from jaxcsr import plan as host_plan
+
+    calls = []
+
+    def toy_plan(structure):
+        indptr, _ = host_plan.host_csr(structure)
+        return {"rows": host_plan.row_ids(indptr)}
+
+    def toy_product(x, data, view, toy, *, reduce, out_dtype, interpret, platform):
+        calls.append(reduce)
+        values = x[view.view_indices()].astype(jnp.float32)
+        if data is not None:
+            values = values * data.astype(jnp.float32)[:, None]
+        m = view.shape[0]
+        if reduce == "sum":
+            return jax.ops.segment_sum(values, toy["rows"], m).astype(out_dtype)
+        fn = jax.ops.segment_max if reduce == "max" else jax.ops.segment_min
+        out = fn(values, toy["rows"], m)
+        return jnp.where(view.degrees()[:, None] > 0, out, 0).astype(out_dtype)
+
+    def toy_describe(view, n_features):
+        return {"toy": "segment reduction" if not view.transposed else "fallback"}
+
+    backend = kernels.Backend(
+        "toy",
+        None,
+        (np.dtype(np.float32),),
+        toy_plan,
+        toy_product,
+        toy_describe,
+        covers=lambda view: not view.transposed,
+    )
+    kernels.register(backend)
+    yield calls
+    del kernels.BACKENDS["toy"]
+
+
+def test_a_backend_registered_later_works_end_to_end(rng, toy_backend):
+    assert "toy" in jaxcsr.IMPLS and "toy" in tuple(jaxcsr.IMPLS)
+    dense = random_values(rng, (9, 14)) * (rng.random((9, 14)) < 0.4)
+    dense[3] = 0  # an empty row
+    A = CSRMatrix.from_dense(dense.astype(np.float32), backends=["toy"])
+    assert A.backends == ("toy", "xla")
+    assert set(A.index.plans["toy"]) == {"rows"}
+    assert A.plan_info().strategies["forward, toy"] == "segment reduction"
+    x = jnp.asarray(random_values(rng, (14, 3)).astype(np.float32))
+    want = dense_of(A) @ np.asarray(x, np.float64)
+    assert_close(jaxcsr.matmul(A, x, impl="toy"), want, np.float32)
+    degrees = np.maximum((dense_of(A) != 0).sum(1), 1)[:, None]
+    assert_close(jaxcsr.matmul(A, x, reduce="mean", impl="toy"), want / degrees, np.float32)
+    for reduce in ("max", "min"):
+        got = jaxcsr.matmul(A, x, reduce=reduce, impl="toy", return_arg=True)
+        want = jaxcsr.matmul(A, x, reduce=reduce, impl="xla", return_arg=True)
+        np.testing.assert_array_equal(got[0], want[0])
+        np.testing.assert_array_equal(got[1], want[1])
+    assert toy_backend == ["sum", "sum", "max", "min"]  # the mean divides its sum
+
+    # gradients: the transpose is not covered, so the fallback runs it
+    def loss(x, data):
+        return jnp.sum(jnp.sin(jaxcsr.matmul(A.with_data(data), x, impl="toy")))
+
+    def reference(x, data):
+        return jnp.sum(jnp.sin(jaxcsr.matmul(A.with_data(data), x, impl="xla")))
+
+    got = jax.jit(jax.grad(loss, argnums=(0, 1)))(x, A.data)
+    want = jax.grad(reference, argnums=(0, 1))(x, A.data)
+    assert_close(got[0], want[0], np.float32)
+    assert_close(got[1], want[1], np.float32)
+    # the segment functions plan the backend they are asked for
+    idx = power_law_ids(rng, 40, 6)
+    v = jnp.asarray(random_values(rng, (40, 2)).astype(np.float32))
+    before = len(toy_backend)
+    want = np.zeros((6, 2))
+    np.add.at(want, idx, np.asarray(v, np.float64))
+    assert_close(jaxcsr.segment_sum(v, idx, 6, impl="toy"), want, np.float32)
+    assert len(toy_backend) == before + 1
+    with pytest.raises(TypeError, match="impl='toy' supports float32"):
+        jaxcsr.matmul(A, x.astype(jnp.float16), impl="toy")
+
+
+def test_an_unregistered_backend_is_refused_by_name():
+    assert "toy" not in jaxcsr.IMPLS
+    with pytest.raises(ValueError, match="impl must be one of"):
+        jaxcsr.matmul(CSRMatrix.from_indices(np.array([0, 1]), 2), jnp.ones(2), impl="toy")
+    with pytest.raises(TypeError, match=r"must be a jaxcsr\.kernels\.Backend"):
+        kernels.register("toy")

@@ -1,13 +1,18 @@
-"""The backend registry: which backends compute ``A @ X``, where, and what each plans.
+"""The backend registry: the one way from the primitive to a kernel.
 
-A :class:`Backend` is one module's entry: its name, the platform whose lowering runs
-it by default, the dtypes it takes, a host ``plan`` (what the backend reads beyond
-the portable core, :class:`~jaxcsr.structure.Structure`; ``None`` when nothing) and
-the kernel entry ``product``. Adding a backend means adding a module and one
-:func:`register` call here.
+Every backend -- the XLA path included -- is a :class:`Backend` entry in
+:data:`BACKENDS` with the same contract: a host ``plan`` (what it reads beyond the
+portable core, :class:`~jaxcsr.structure.Structure`), a ``product``, a ``describe``
+(what :meth:`jaxcsr.CSRMatrix.plan_info` prints) and ``covers`` (the views it runs).
+The primitive (:mod:`jaxcsr.ops`) only ever calls entries of this registry, and no
+module outside ``jaxcsr/kernels/`` imports a backend module. Adding a backend means
+one module and one :func:`register` call (here, or from user code: the set of valid
+``impl=`` names, :data:`IMPLS`, is read from the registry when asked).
 
 * :mod:`jaxcsr.kernels.xla` -- pure XLA (and kernels jaxlib already ships); runs on
-  every platform, plans nothing, and is what runs when no kernel is planned.
+  every platform, plans nothing, and is the :func:`fallback`: what runs when no
+  kernel is planned or chosen, and what answers the values' gradient (``sddmm``) and
+  the max/min arg search for every backend.
 * :mod:`jaxcsr.kernels.gpu` -- Pallas Triton kernel (load-balanced row work items).
 * :mod:`jaxcsr.kernels.tpu` -- Pallas Mosaic kernel (block-sparse one-hot MXU tiles).
 """
@@ -16,16 +21,44 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import jax
 import numpy as np
 
 from jaxcsr.dtypes import KERNEL_DTYPES
-from jaxcsr.kernels import gpu, tpu
+from jaxcsr.kernels import gpu, tpu, xla
+from jaxcsr.structure import Structure
 
-__all__ = ["BACKENDS", "Backend", "default_backends", "register", "resolve_backends"]
+__all__ = [
+    "BACKENDS",
+    "FALLBACK",
+    "IMPLS",
+    "ArgSearch",
+    "Backend",
+    "default_backends",
+    "fallback",
+    "platform_kernel",
+    "register",
+    "resolve_backends",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class ArgSearch:
+    """How to find the stored entry attaining each output of a max/min (``return_arg``
+    and the max/min gradient). Each takes ``(x, data, view, out)``, non-empty.
+
+    Attributes:
+      positions: ``(m, F)`` CSR positions, sentinel ``nnz`` for empty rows.
+      columns: ``(m, F)`` columns, sentinel ``n`` for empty rows.
+      column_mask: one-per-column views: ``(n, F)`` bool, True at each row's winner.
+    """
+
+    positions: Callable[..., jax.Array]
+    columns: Callable[..., jax.Array]
+    column_mask: Callable[..., jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,34 +70,47 @@ class Backend:
       platform: the JAX platform whose default it is (``None``: none, the fallback).
       dtypes: value/operand dtypes it takes (``None``: every numeric dtype).
       plan: host function ``Structure (numpy leaves) -> plan pytree or None``.
-      product: ``(x, data, structure, plan, *, reduce, out_dtype, interpret) -> (m, F)``
-        in ``out_dtype`` with empty rows zero for every reduction; ``None`` for the
-        XLA path, which the primitive runs itself.
+      product: ``(x, data, view, plan, *, reduce, out_dtype, interpret, platform) ->
+        (m, F)`` in ``out_dtype``, empty rows zero for every reduction (``"sum"``,
+        ``"max"``, ``"min"``). Called with non-empty operands only (entries and
+        features > 0) and views it :attr:`covers`.
+      describe: ``(view, n_features or None) -> {label: what runs}`` for
+        :meth:`~jaxcsr.CSRMatrix.plan_info` (host-side; may read the view back).
+      covers: ``view -> bool``: whether it runs that view (else the fallback does).
       available: whether this jax can run it (a Pallas backend may be missing).
+      sddmm: ``(ct, x, view, *, out_dtype) -> (nnz,)``, the sampled product (the
+        fallback's is used for every backend; ``None``: none of its own).
+      arg_search: an :class:`ArgSearch` (the fallback's is used for every backend).
     """
 
     name: str
     platform: str | None
     dtypes: tuple[np.dtype, ...] | None
-    plan: Callable[[Any], Any]
-    product: Callable[..., jax.Array] | None
+    plan: Callable[[Structure], Any]
+    product: Callable[..., jax.Array]
+    describe: Callable[[Structure, int | None], dict[str, str]]
+    covers: Callable[[Structure], bool] = lambda view: True
     available: Callable[[], bool] = lambda: True
+    sddmm: Callable[..., jax.Array] | None = None
+    arg_search: ArgSearch | None = None
 
     def require_available(self) -> None:
         """Raises a ``RuntimeError`` naming the jax version if this jax cannot run it."""
         if not self.available():
             raise RuntimeError(
                 f"impl={self.name!r}: jax {jax.__version__} does not ship the Pallas backend "
-                "this kernel is written in; use impl=None (falls back to XLA) or impl='xla'"
+                f"this kernel is written in; use impl=None (falls back to {FALLBACK}) or "
+                f"impl={FALLBACK!r}"
             )
 
     def warn_unavailable(self) -> None:
-        """One warning per process and backend that its platform falls back to XLA."""
+        """One warning per process and backend that its platform falls back."""
         if self.name not in _WARNED:
             _WARNED.add(self.name)
             warnings.warn(
                 f"jax {jax.__version__} cannot run the {self.name!r} kernel (its Pallas "
-                f"backend is missing); products on {self.platform!r} run on the XLA path",
+                f"backend is missing); products on {self.platform!r} run on the "
+                f"fallback, {FALLBACK!r}",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -78,20 +124,88 @@ class Backend:
 
 BACKENDS: dict[str, Backend] = {}
 _WARNED: set[str] = set()
+FALLBACK = "xla"
+"""The backend that runs every view on every platform and plans nothing."""
 
 
 def register(backend: Backend) -> None:
-    """Adds (or replaces) a backend in :data:`BACKENDS`."""
+    """Adds (or replaces) a backend in :data:`BACKENDS`; ``impl=`` and ``backends=``
+    accept its name from then on."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"backend must be a jaxcsr.kernels.Backend, got {type(backend).__name__}")
     BACKENDS[backend.name] = backend
 
 
-register(Backend("xla", None, None, lambda structure: None, None))
-register(Backend("pallas_gpu", "cuda", KERNEL_DTYPES, gpu.plan, gpu.product, gpu.available))
-register(Backend("pallas_tpu", "tpu", KERNEL_DTYPES, tpu.plan, tpu.product))
+def fallback() -> Backend:
+    """The :data:`FALLBACK` backend's entry."""
+    return BACKENDS[FALLBACK]
+
+
+class _ImplNames(Sequence):
+    """``(None, *BACKENDS)``, read from the registry at every use (a live view)."""
+
+    def _names(self) -> tuple[str | None, ...]:
+        return (None, *BACKENDS)
+
+    def __getitem__(self, i):
+        return self._names()[i]
+
+    def __len__(self) -> int:
+        return len(self._names())
+
+    def __iter__(self) -> Iterator[str | None]:
+        return iter(self._names())
+
+    def __contains__(self, name: object) -> bool:
+        return name is None or (isinstance(name, str) and name in BACKENDS)
+
+    def __eq__(self, other: object) -> bool:
+        return tuple(self) == (tuple(other) if isinstance(other, Sequence) else other)
+
+    def __hash__(self) -> int:
+        return hash(self._names())
+
+    def __repr__(self) -> str:
+        return repr(self._names())
+
+
+IMPLS: Sequence[str | None] = _ImplNames()
+"""``impl=`` values: ``None`` (the platform's planned kernel, else the fallback) or a
+registered backend's name; always current with :data:`BACKENDS`."""
+
+
+register(
+    Backend(
+        FALLBACK,
+        None,
+        None,
+        xla.plan,
+        xla.product,
+        xla.describe,
+        xla.covers,
+        sddmm=xla.sddmm,
+        arg_search=ArgSearch(xla.extreme_positions, xla.extreme_columns, xla.extreme_column_mask),
+    )
+)
+register(
+    Backend(
+        "pallas_gpu",
+        "cuda",
+        KERNEL_DTYPES,
+        gpu.plan,
+        gpu.product,
+        gpu.describe,
+        gpu.covers,
+        gpu.available,
+    )
+)
+register(
+    Backend("pallas_tpu", "tpu", KERNEL_DTYPES, tpu.plan, tpu.product, tpu.describe, tpu.covers)
+)
 
 
 def platform_kernel(platform: str) -> str | None:
-    """The backend that is the default on ``platform`` (``None``: XLA)."""
+    """The backend that is the default on ``platform`` (``None``: the fallback)."""
     for backend in BACKENDS.values():
         if backend.platform == platform:
             return backend.name
@@ -99,16 +213,16 @@ def platform_kernel(platform: str) -> str | None:
 
 
 def default_backends(platform: str | None = None) -> tuple[str, ...]:
-    """``("xla",)`` plus the kernel of ``platform`` (default: ``jax.default_backend()``)."""
+    """The fallback plus the kernel of ``platform`` (default: ``jax.default_backend()``)."""
     platform = jax.default_backend() if platform is None else platform
     kernel = platform_kernel({"gpu": "cuda"}.get(platform, platform))
-    return ("xla",) if kernel is None else ("xla", kernel)
+    return (FALLBACK,) if kernel is None else (FALLBACK, kernel)
 
 
 def resolve_backends(backends: Any) -> tuple[str, ...]:
     """Validates a ``backends=`` argument; ``None`` means :func:`default_backends`.
 
-    ``"xla"`` is always included (it plans nothing). Returns a sorted tuple.
+    The fallback is always included (it plans nothing). Returns a sorted tuple.
     """
     if backends is None:
         names = default_backends()
@@ -124,4 +238,4 @@ def resolve_backends(backends: Any) -> tuple[str, ...]:
         for name in names:
             if name not in BACKENDS:
                 raise ValueError(f"backends: unknown backend {name!r}; known: {tuple(BACKENDS)}")
-    return tuple(sorted(set(names) | {"xla"}))
+    return tuple(sorted(set(names) | {FALLBACK}))

@@ -382,6 +382,31 @@ def plan(structure: Structure) -> GpuPlan:
     return GpuPlan(plan_lanes(indptr, structure.indices), plan_lanes(t_indptr, structure.t_indices))
 
 
+def covers(view: Structure) -> bool:
+    """Views the kernel runs: all but one entry per row (a row gather, which XLA runs
+    with one load per output row, as a kernel would)."""
+    return not view.one_per_row
+
+
+def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
+    """How the plan fills the kernel's lanes for ``view``, and the tiles for
+    ``n_features`` float32 features (host-side report for ``plan_info``)."""
+    if not covers(view):
+        return {"pallas_gpu": "xla gather (one entry per row)"}
+    indices = None if view.layout.kind == "columns" else np.asarray(view.view_indices())
+    stats = lane_stats(np.asarray(view.view_indptr()), indices)
+    order = "CSR" if stats.csr_order else "length-sorted"
+    distinct = stats.distinct_csr if stats.csr_order else stats.distinct_sorted
+    text = (
+        f"kernel: {stats.short_rows} short rows ({order}, lane utilisation "
+        f"{stats.utilisation:.2f}, distinct columns per nonzero {distinct:.2f}), "
+        f"{stats.long_rows} long rows in {stats.chunks} chunks"
+    )
+    if n_features:
+        text += f"; tiles {tile_config(n_features)}"
+    return {"pallas_gpu": text}
+
+
 def product(
     x: jax.Array,
     data: jax.Array | None,
@@ -391,10 +416,10 @@ def product(
     reduce: str,
     out_dtype: Any,
     interpret: bool,
+    platform: str,
 ) -> jax.Array:
-    """Kernel entry for the backend registry: the viewed matrix times ``x``."""
-    if structure.one_per_row:
-        raise ValueError("a one-entry-per-row view is a row gather: the XLA path runs it")
+    """Backend entry: the viewed matrix (not one-per-row: :func:`covers`) times ``x``."""
+    del platform
     lanes = gpu_plan.t_lanes if structure.transposed else gpu_plan.lanes
     return spmm(
         x,

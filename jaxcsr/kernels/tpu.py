@@ -39,7 +39,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxcsr.kernels.xla import entry_values, zero_empty_rows
+from jaxcsr.kernels.semiring import entry_values, zero_empty_rows
 from jaxcsr.structure import Structure
 
 BLOCK_M = 128
@@ -299,6 +299,17 @@ def spmm(
     return out[:num_rows]
 
 
+def covers(view: Structure) -> bool:
+    """Views the kernel runs: all but one entry per row (a row gather, run by XLA)."""
+    return not view.one_per_row
+
+
+def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
+    """What runs ``view`` (host-side report for ``plan_info``)."""
+    del n_features
+    return {"pallas_tpu": "kernel" if covers(view) else "xla gather (one entry per row)"}
+
+
 def product(
     x: jax.Array,
     data: jax.Array | None,
@@ -308,14 +319,14 @@ def product(
     reduce: str,
     out_dtype: Any,
     interpret: bool,
+    platform: str,
 ) -> jax.Array:
-    """Kernel entry for the backend registry: the viewed matrix times ``x``.
+    """Backend entry: the viewed matrix (not one-per-row: :func:`covers`) times ``x``.
 
     Gathers X's rows into nonzero order (XLA), runs the block-sparse kernel (float32
     out), zeroes empty rows of max/min and casts to ``out_dtype``.
     """
-    if structure.one_per_row:
-        raise ValueError("a one-entry-per-row view is a row gather: the XLA path runs it")
+    del platform
     values = entry_values(x, data, structure)
     if values.dtype == jnp.float16:  # the MXU takes bfloat16 and float32
         values = values.astype(jnp.float32)

@@ -1,8 +1,13 @@
-"""The XLA path: CSR x dense products from XLA operations and jaxlib's own kernels.
+"""The XLA backend: CSR x dense products from XLA operations and jaxlib's own kernels.
 
-No host callbacks and no plan of its own: it reads only the portable core
-(:class:`~jaxcsr.structure.Structure`). One of four strategies runs, chosen from the
-static structure (:func:`choose_strategy`); all compute ``out[i] = sum_k data[k] * x[indices[k]]``
+Runs on every platform, plans nothing beyond the portable core
+(:class:`~jaxcsr.structure.Structure`) and is what runs when no kernel is planned or
+chosen. It also answers for the parts of the primitive that every backend shares:
+the sampled product :func:`sddmm` (the values' gradient) and the search for the
+entry attaining a max/min (:data:`ARG_SEARCH`).
+
+One of four strategies runs a sum, chosen from the static structure and the operand
+width (:func:`choose_strategy`); all compute ``out[i] = sum_k data[k] * x[indices[k]]``
 over the nonzeros ``k`` of row ``i`` and accumulate in float32 for 16-bit floats.
 
 ``"scatter"``
@@ -23,20 +28,17 @@ over the nonzeros ``k`` of row ``i`` and accumulate in float32 for 16-bit floats
 structure classes; :func:`extreme_positions` finds the entry attaining each output
 (the arg output and the gradient of max/min).
 
-Which strategy runs is decided by cost, from crossovers measured on 2 CPU cores
-(float32, ``python -m benchmarks.strategies``; table in ``docs/design.md``):
+The thresholds follow crossovers measured on 2 CPU cores (float32): jaxlib's CSR
+kernel costs about as much for one feature as for eight, so narrow operands scatter;
+with sorted segment ids it wins from :data:`CSR_KERNEL_MIN_WIDTH` features, with
+unsorted ids (X's rows gathered at random) only from
+:data:`UNSORTED_CSR_KERNEL_MIN_WIDTH`; general matrices run it from
+:data:`CSR_KERNEL_MIN_WIDTH` and the gather + sorted segment sum below. The timings
+are in ``benchmarks/results/cpu/strategies.md`` (``python -m
+benchmarks.studies.strategies``).
 
-* jaxlib's CSR kernel is slow for narrow operands -- it costs about as much at
-  ``F = 1..4`` as at ``F = 8`` (tolokers, 1M sorted ids: 17 ms at F = 1 against 4 ms for
-  the scatter). Below :data:`CSR_KERNEL_MIN_WIDTH` features the scatter runs.
-* sorted segment ids: from ``F = 8`` the kernel streams X in order and beats the
-  scatter (tolokers F = 64: 9.2 vs 11.5 ms; twitter-ego 2.7M ids: 17 vs 28 ms).
-* unsorted segment ids: the kernel gathers X's rows in CSR order, so it overtakes
-  the scatter only for wide rows, from :data:`UNSORTED_CSR_KERNEL_MIN_WIDTH`
-  (twitter-ego F = 64: scatter 72 ms, kernel 78 ms).
-* general matrices: from ``F = 8`` the kernel, which fuses the gather with the row
-  reduction, is 4-10x faster than the gather + sorted ``segment_sum`` (``"segment"``);
-  below 8 features ``"segment"`` is 2-3x faster (tolokers F = 1: 6.9 vs 16.7 ms).
+Every function here takes non-empty operands (rows, columns, entries and features
+all > 0): the primitive answers empty products itself.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcsr.dtypes import accumulation_dtype, product_dtype
+from jaxcsr.kernels.semiring import column_values, entry_values, weighted, zero_empty_rows
 from jaxcsr.structure import Structure
 
 try:  # registers jaxlib's sparse FFI targets (cpu_csr_sparse_dense_ffi)
@@ -65,6 +68,47 @@ _CPU_CSR_KERNEL = "cpu_csr_sparse_dense_ffi"
 _CSR_KERNEL_DTYPES = tuple(
     np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.complex64, np.complex128)
 )
+
+
+# ------------------------------------------------------------ backend contract
+def plan(structure: Structure) -> None:
+    """The XLA path reads only the portable core: nothing to plan."""
+    del structure
+
+
+def covers(view: Structure) -> bool:
+    """Every view runs here."""
+    del view
+    return True
+
+
+def product(
+    x: jax.Array,
+    data: jax.Array | None,
+    structure: Structure,
+    xla_plan: None,
+    *,
+    reduce: str,
+    out_dtype,
+    interpret: bool,
+    platform: str,
+) -> jax.Array:
+    """Backend entry: the viewed matrix times ``x`` with ``reduce``, in ``out_dtype``."""
+    del xla_plan, interpret
+    if reduce == "sum":
+        strategy = choose_strategy(structure, on_cpu=platform == "cpu", width=x.shape[1])
+        out = spmm(x, data, structure, strategy=strategy)
+    else:
+        out = spmm_extreme(x, data, structure, reduce=reduce)
+    return out.astype(out_dtype)
+
+
+def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
+    """The strategy a sum runs on CPU and off it (``n_features=None``: a wide operand)."""
+    return {
+        f"xla on {where}": choose_strategy(view, on_cpu=where == "cpu", width=n_features)
+        for where in ("cpu", "gpu/tpu")
+    }
 
 
 CSR_KERNEL_MIN_WIDTH = 8
@@ -123,8 +167,6 @@ def spmm(
         raise ValueError("strategy 'scatter' needs a matrix with <= 1 nonzero per column")
     if strategy == "gather" and not structure.one_per_row:
         raise ValueError("strategy 'gather' needs a matrix with <= 1 nonzero per row")
-    if m == 0 or f == 0 or nnz == 0:
-        return jnp.zeros((m, f), acc)
     if strategy == "gather":
         # One entry per row: no sum, so X's rows are gathered in their own dtype (no
         # float32 copy of a 16-bit X); a matrix without empty rows needs no bounds fill.
@@ -165,12 +207,10 @@ def _scatter_add(x: jax.Array, ids: jax.Array, m: int, *, sorted_ids: bool) -> j
     """``segment_sum(x, ids, m)`` (ids ``>= m`` dropped), for the scatter strategy.
 
     With sorted ids, consecutive updates read-modify-write the same output row: a
-    dependency chain that XLA:CPU's scatter loop runs at about one update per 3-7 ns
-    whatever the width up to 8. For a single feature the updates are taken in a
-    strided order (``INTERLEAVE`` apart; a transpose of the padded ``(16, n / 16)``
-    view), which breaks the chain: 1M sorted ids, F = 1, 3.5 -> 1.8 ms on tolokers and
-    7.6 -> 4.4 ms on twitter-ego (2 cores). Wider rows pay more for the transpose than
-    they gain (F = 4: slower), so they keep the input order.
+    dependency chain in XLA:CPU's serial scatter loop. For a single feature the updates
+    are taken in a strided order (``INTERLEAVE`` apart; a transpose of the padded
+    ``(16, n / 16)`` view), which breaks the chain. Wider rows pay more for the
+    transpose than they gain, so they keep the input order.
     """
     n = x.shape[0]
     if not (sorted_ids and x.shape[1] == 1 and n >= 2 * INTERLEAVE):
@@ -188,9 +228,6 @@ def sddmm(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> ja
     order. One-per-column views read X in order (no gather of X); one-per-row views
     read ``ct`` in order.
     """
-    nnz = structure.nnz
-    if nnz == 0:
-        return jnp.zeros((0,), out_dtype)
     acc = accumulation_dtype(jnp.result_type(ct.dtype, x.dtype))
     if structure.one_per_column:  # per column j: ct[row_of_col[j]] . x[j]
         m = structure.shape[0]
@@ -207,42 +244,6 @@ def sddmm(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> ja
 
 
 # ------------------------------------------------------------ max / min reduce
-EXTREMES: tuple[str, ...] = ("max", "min")
-
-
-def _weighted(values: jax.Array, weights: jax.Array | None, dtype) -> jax.Array:
-    """``weights[:, None] * values`` in ``dtype`` (``values`` alone without weights).
-
-    Products of 16-bit floats are formed in float32 and rounded once, as the Pallas
-    kernels do, so comparing them with a kernel's max is exact.
-    """
-    if weights is None:
-        return values.astype(dtype)
-    acc = accumulation_dtype(dtype)
-    return (weights.astype(acc)[:, None] * values.astype(acc)).astype(dtype)
-
-
-def entry_values(x: jax.Array, data: jax.Array | None, structure: Structure) -> jax.Array:
-    """``data[k] * x[indices[k]]`` for every stored entry ``k`` (CSR order), ``(nnz, F)``."""
-    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
-    return _weighted(x[structure.view_indices()], data, dtype)
-
-
-def column_values(x: jax.Array, data: jax.Array | None, structure: Structure) -> jax.Array:
-    """One-per-column view: ``data_j * x[j]`` in column (input) order, ``(n, F)``.
-
-    No gather: column ``j``'s value multiplies X's row ``j`` (0 for empty columns).
-    """
-    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
-    weights = None if data is None else structure.column_values(data)
-    return _weighted(x, weights, dtype)
-
-
-def zero_empty_rows(out: jax.Array, structure: Structure) -> jax.Array:
-    """``out`` with the rows that store no entry set to 0 (max/min's empty rows)."""
-    return jnp.where(structure.degrees()[:, None] > 0, out, jnp.zeros((), out.dtype))
-
-
 def _segment_extreme(values, segments, num_segments, reduce, *, indices_are_sorted):
     fn = jax.ops.segment_max if reduce == "max" else jax.ops.segment_min
     return fn(values, segments, num_segments, indices_are_sorted=indices_are_sorted)
@@ -268,13 +269,8 @@ def spmm_extreme(
     Returns:
       ``(m, F)`` in the product dtype.
     """
-    if reduce not in EXTREMES:
-        raise ValueError(f"reduce must be one of {EXTREMES}, got {reduce!r}")
     m, _ = structure.shape
     dtype = product_dtype(x.dtype, None if data is None else data.dtype)
-    f = x.shape[1]
-    if m == 0 or f == 0 or structure.nnz == 0:
-        return jnp.zeros((m, f), dtype)
     acc = accumulation_dtype(dtype)
     if structure.one_per_column:
         values = column_values(x, data, structure).astype(acc)
@@ -284,7 +280,7 @@ def spmm_extreme(
     elif structure.one_per_row:
         gathered = x.at[structure.row_of_col].get(mode="fill", fill_value=0)
         weights = None if data is None else structure.row_values(data)
-        out = _weighted(gathered, weights, dtype)
+        out = weighted(gathered, weights, dtype)
     else:
         values = entry_values(x, data, structure).astype(acc)
         out = _segment_extreme(values, structure.row_ids(), m, reduce, indices_are_sorted=True)
@@ -309,13 +305,11 @@ def extreme_positions(
     Returns:
       ``(m, F)`` int32 positions in ``[0, nnz]``.
     """
-    m, f = out.shape
-    nnz = structure.nnz
-    if nnz == 0 or m == 0 or f == 0:
-        return jnp.full((m, f), nnz, jnp.int32)
+    m = out.shape[0]
     values = entry_values(x, data, structure)
     rows = structure.row_ids()
-    return jnp.minimum(_first_hit(values, out.astype(values.dtype)[rows], rows, m, True), nnz)
+    hit = _first_hit(values, out.astype(values.dtype)[rows], rows, m, True)
+    return jnp.minimum(hit, structure.nnz)
 
 
 def extreme_columns(
@@ -327,8 +321,6 @@ def extreme_columns(
     """
     m, f = out.shape
     n = structure.shape[1]
-    if structure.nnz == 0 or m == 0 or f == 0:
-        return jnp.full((m, f), n, jnp.int32)
     if structure.one_per_column:  # search the columns, in input order
         return jnp.minimum(_first_column_hit(x, data, structure, out), n)
     if structure.one_per_row:  # the row's only entry (its own max)
@@ -361,9 +353,7 @@ def extreme_column_mask(
     the gradient needs no scatter.
     """
     m = out.shape[0]
-    n, f = x.shape
-    if m == 0 or n == 0 or f == 0 or structure.nnz == 0:
-        return jnp.zeros((n, f), bool)
+    n = x.shape[0]
     first = _first_column_hit(x, data, structure, out)
     rows = structure.row_of_col
     winner = first[jnp.minimum(rows, m - 1)]
