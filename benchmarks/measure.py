@@ -1,4 +1,11 @@
-"""Timing and memory-bandwidth measurement (CPU; the same rules as the GPU script)."""
+"""The one timer of every benchmark, and memory-bandwidth measurement.
+
+:func:`timed` is the stopwatch: one call, waited for (``block_until_ready``), in
+seconds. Everything else builds on it: :func:`time_thunk` (first call apart, warm-up,
+repeats, an optional budget), :func:`time_in_turns` (several systems timed in turns)
+and the training loops of the examples (one :func:`timed` step per epoch). The GPU
+script times the same way, with the device synchronised.
+"""
 
 from __future__ import annotations
 
@@ -13,8 +20,16 @@ import numpy as np
 
 
 def _sync(out: Any) -> Any:
-    """Waits for a result: jax arrays block; numpy/torch CPU results are ready."""
-    return jax.block_until_ready(out) if isinstance(out, jax.Array) else out
+    """Waits for a result: jax arrays (in any pytree) block; numpy/torch CPU results
+    are ready."""
+    return jax.block_until_ready(out)
+
+
+def timed(thunk: Callable[[], Any]) -> tuple[float, Any]:
+    """Seconds of one ``thunk()`` until its result is ready, and the result."""
+    t0 = time.perf_counter()
+    out = _sync(thunk())
+    return time.perf_counter() - t0, out
 
 
 @dataclasses.dataclass
@@ -24,6 +39,19 @@ class Timing:
     p10_s: float
     p90_s: float
     runs: int
+    min_s: float
+
+    @classmethod
+    def of(cls, first_s: float, samples: list[float]) -> Timing:
+        t = np.asarray(samples)
+        return cls(
+            first_s,
+            float(np.median(t)),
+            float(np.percentile(t, 10)),
+            float(np.percentile(t, 90)),
+            len(t),
+            float(t.min()),
+        )
 
 
 class TimedOutError(Exception):
@@ -39,31 +67,40 @@ def time_thunk(
     otherwise runs stop once the budget is spent (``Timing.runs`` says how many ran,
     at least one).
     """
-    t0 = time.perf_counter()
-    out = _sync(thunk())
-    first = time.perf_counter() - t0
+    first, out = timed(thunk)
     if budget_s is not None and first > budget_s:
         raise TimedOutError(f"first call took {first:.0f} s, past the {budget_s:.0f} s budget")
     spent = first
     for _ in range(warmup):
         if budget_s is not None and spent + first > budget_s:
             break
-        t0 = time.perf_counter()
-        _sync(thunk())
-        spent += time.perf_counter() - t0
+        spent += timed(thunk)[0]
     times: list[float] = []
     for _ in range(repeats):
         if times and budget_s is not None and spent > budget_s:
             break
-        t0 = time.perf_counter()
-        _sync(thunk())
-        times.append(time.perf_counter() - t0)
+        times.append(timed(thunk)[0])
         spent += times[-1]
-    t = np.asarray(times)
-    timing = Timing(
-        first, float(np.median(t)), float(np.percentile(t, 10)), float(np.percentile(t, 90)), len(t)
-    )
-    return timing, out
+    return Timing.of(first, times), out
+
+
+def time_in_turns(
+    thunks: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
+) -> tuple[dict[str, Timing], dict[str, Any]]:
+    """Times several thunks in turns (one run of each per round): a slow spell of the
+    machine then spreads over every system instead of whichever ran during it.
+    Returns each thunk's :class:`Timing` and its first output."""
+    firsts, outs = {}, {}
+    for name, thunk in thunks.items():
+        firsts[name], outs[name] = timed(thunk)
+    for _ in range(warmup):
+        for thunk in thunks.values():
+            timed(thunk)
+    samples: dict[str, list[float]] = {name: [] for name in thunks}
+    for _ in range(repeats):
+        for name, thunk in thunks.items():
+            samples[name].append(timed(thunk)[0])
+    return {name: Timing.of(firsts[name], samples[name]) for name in thunks}, outs
 
 
 def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float]:

@@ -268,13 +268,7 @@ class CSRMatrix(SparseOperand):
 
     @classmethod
     def from_coo(
-        cls,
-        row: Any,
-        col: Any,
-        data: Any | None = None,
-        *,
-        shape: tuple[int, int],
-        backends: Any = None,
+        cls, row: Any, col: Any, data: Any = None, *, shape: tuple[int, int], backends: Any = None
     ) -> CSRMatrix:
         """Builds a matrix from coordinates; duplicates are kept and add up.
 

@@ -166,10 +166,10 @@ def reduce_rows(
     data: jax.Array | None,
     index: Index,
     *,
-    reduce: str = "sum",
-    return_arg: bool = False,
-    impl: str | None = None,
-    interpret: bool = False,
+    reduce: str,
+    return_arg: bool,
+    impl: str | None,
+    interpret: bool,
 ) -> Any:
     """``A @ x`` for a 2-D ``x`` with any of :data:`REDUCTIONS` (validated by the caller).
 

@@ -39,19 +39,14 @@ from jaxcsr.matrix import CSRMatrix, matmul
 from jaxcsr.softmax import shifted_exp, softmax_over_rows
 from jaxcsr.validation import as_host_int_array, as_numeric, check_segment_ids, check_size
 
-__all__ = [
-    "MODES",
-    "segment_log_softmax",
-    "segment_logsumexp",
-    "segment_matrix",
-    "segment_max",
-    "segment_mean",
-    "segment_min",
-    "segment_softmax",
-    "segment_sum",
-]
+__all__ = ["MODES", "segment_matrix", "segment_sum", "segment_mean", "segment_max", "segment_min"]
+__all__ += ["segment_softmax", "segment_log_softmax", "segment_logsumexp"]
 
-MODES: tuple[str | None, ...] = (None, "promise_in_bounds", "drop", "fill", "clip")
+Size = int | None  # num_segments, bucket_size: None means "from the data"
+Mode = str | None
+Impl = str | None
+
+MODES: tuple[Mode, ...] = (None, "promise_in_bounds", "drop", "fill", "clip")
 """Accepted ``mode`` values. ``None``/``"promise_in_bounds"``: out-of-range ids raise
 ``ValueError``; ``"drop"``/``"fill"``: entries with out-of-range ids are left out;
 ``"clip"``: ids are clipped into ``[0, num_segments)``."""
@@ -176,7 +171,9 @@ def _prepare(
 
 
 def _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, reduce: str):
-    """The one body of every ``segment_<reduce>``: plan (cached), then ``matmul``."""
+    """The one body of every ``segment_<reduce>``: plan (cached), then ``matmul``.
+    (``indices_are_sorted``, ``unique_indices`` and ``bucket_size`` are not needed: the
+    host plan knows.)"""
     A, x, axis = _prepare(data, segment_ids, num_segments, mode, axis, impl)
     result = matmul(A, x, reduce=reduce, return_arg=return_arg, impl=impl)
     if return_arg:
@@ -185,6 +182,24 @@ def _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, reduc
     return jnp.moveaxis(result, 0, axis)
 
 
+def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
+    """``(A, axis, shifted, exp(shifted), total, peak, input dtype)`` of a stable softmax.
+
+    ``shifted`` is each logit minus its segment's (finite) max ``peak``; ``total`` the
+    per-segment sum of ``exp(shifted)``; all in float32 or wider.
+    """
+    A, x, axis = _prepare(
+        logits, segment_ids, num_segments, None, axis, impl, name="logits", floating=True
+    )
+    dtype = x.dtype
+    x = x.astype(jnp.promote_types(dtype, jnp.float32))
+    return (A, axis, *shifted_exp(x, A, impl), dtype)
+
+
+# ------------------------------------------------------------ public functions
+# The reductions keep jax.ops' signature (plus axis, return_arg, impl), written
+# compactly; their shared argument docs are appended at the end. Each is followed by
+# its softmax-family counterpart.
 _ARGS = """
     Args:
       data: array whose ``axis`` has length ``len(segment_ids)``.
@@ -202,19 +217,10 @@ _ARGS = """
 """
 
 
-def segment_sum(
-    data: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    indices_are_sorted: bool = False,
-    unique_indices: bool = False,
-    bucket_size: int | None = None,
-    mode: str | None = None,
-    *,
-    axis: int = 0,
-    return_arg: bool = False,
-    impl: str | None = None,
-) -> Any:
+def segment_sum(data: Any, segment_ids: Any, num_segments: Size = None,
+                indices_are_sorted: bool = False, unique_indices: bool = False,
+                bucket_size: Size = None, mode: Mode = None, *, axis: int = 0,
+                return_arg: bool = False, impl: Impl = None) -> Any:  # fmt: skip
     """Sum of ``data`` over segments along ``axis``; empty segments are 0.
 
     Example:
@@ -222,111 +228,11 @@ def segment_sum(
       >>> jaxcsr.segment_sum(jnp.arange(5.0), np.array([0, 2, 2, 1, 0]), 4)
       Array([4., 3., 3., 0.], dtype=float32)
     """
-    del indices_are_sorted, unique_indices, bucket_size  # the plan knows
     return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "sum")
 
 
-def segment_mean(
-    data: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    indices_are_sorted: bool = False,
-    unique_indices: bool = False,
-    bucket_size: int | None = None,
-    mode: str | None = None,
-    *,
-    axis: int = 0,
-    return_arg: bool = False,
-    impl: str | None = None,
-) -> Any:
-    """Mean of ``data`` over segments; empty segments are 0, integers floor-divide.
-
-    Example:
-      >>> import numpy as np, jax.numpy as jnp, jaxcsr
-      >>> jaxcsr.segment_mean(jnp.arange(5.0), np.array([0, 2, 2, 1, 0]), 4)
-      Array([2. , 3. , 1.5, 0. ], dtype=float32)
-    """
-    del indices_are_sorted, unique_indices, bucket_size  # the plan knows
-    return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "mean")
-
-
-def segment_max(
-    data: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    indices_are_sorted: bool = False,
-    unique_indices: bool = False,
-    bucket_size: int | None = None,
-    mode: str | None = None,
-    *,
-    axis: int = 0,
-    return_arg: bool = False,
-    impl: str | None = None,
-) -> Any:
-    """Maximum of ``data`` over segments; empty segments are 0 (not ``-inf``). NaN propagates.
-
-    Example:
-      >>> import numpy as np, jax.numpy as jnp, jaxcsr
-      >>> x = jnp.array([1.0, 3.0, 2.0, 4.0, 5.0, 6.0])
-      >>> jaxcsr.segment_max(x, np.array([0, 1, 0, 1, 1, 3]), 4, return_arg=True)
-      (Array([2., 5., 0., 6.], dtype=float32), Array([2, 4, 6, 5], dtype=int32))
-    """
-    del indices_are_sorted, unique_indices, bucket_size  # the plan knows
-    return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "max")
-
-
-def segment_min(
-    data: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    indices_are_sorted: bool = False,
-    unique_indices: bool = False,
-    bucket_size: int | None = None,
-    mode: str | None = None,
-    *,
-    axis: int = 0,
-    return_arg: bool = False,
-    impl: str | None = None,
-) -> Any:
-    """Minimum of ``data`` over segments; empty segments are 0 (not ``+inf``). NaN propagates.
-
-    Example:
-      >>> import numpy as np, jax.numpy as jnp, jaxcsr
-      >>> x = jnp.array([1.0, 3.0, 2.0, 4.0, 5.0, 6.0])
-      >>> jaxcsr.segment_min(x, np.array([0, 1, 0, 1, 1, 3]), 4)
-      Array([1., 3., 0., 6.], dtype=float32)
-    """
-    del indices_are_sorted, unique_indices, bucket_size  # the plan knows
-    return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "min")
-
-
-for _reduction in (segment_sum, segment_mean, segment_max, segment_min):
-    _summary, _example = _reduction.__doc__.split("\n\n    Example:", 1)
-    _reduction.__doc__ = f"{_summary}\n{_ARGS}\n    Example:{_example}"
-
-
-# ------------------------------------------------------------ softmax family
-def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
-    """``(A, axis, shifted, exp(shifted), total, peak, input dtype)`` of a stable softmax.
-
-    ``shifted`` is each logit minus its segment's (finite) max ``peak``; ``total`` the
-    per-segment sum of ``exp(shifted)``; all in float32 or wider.
-    """
-    A, x, axis = _prepare(
-        logits, segment_ids, num_segments, None, axis, impl, name="logits", floating=True
-    )
-    dtype = x.dtype
-    x = x.astype(jnp.promote_types(dtype, jnp.float32))
-    return (A, axis, *shifted_exp(x, A, impl), dtype)
-
-
 def segment_softmax(
-    logits: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    *,
-    axis: int = 0,
-    impl: str | None = None,
+    logits: Any, segment_ids: Any, num_segments: Size = None, *, axis: int = 0, impl: Impl = None
 ) -> jax.Array:
     """Softmax of ``logits`` within each segment (GNN attention over incoming edges).
 
@@ -350,13 +256,25 @@ def segment_softmax(
     return jnp.moveaxis(softmax_over_rows(x, A, impl, name="logits"), 0, axis)
 
 
+def segment_mean(data: Any, segment_ids: Any, num_segments: Size = None,
+                 indices_are_sorted: bool = False, unique_indices: bool = False,
+                 bucket_size: Size = None, mode: Mode = None, *, axis: int = 0,
+                 return_arg: bool = False, impl: Impl = None) -> Any:  # fmt: skip
+    """Mean of ``data`` over segments: the sum, carried in float32 for 16-bit floats,
+    divided by the segment's size and rounded once. Empty segments are 0; integers
+    floor-divide (as torch_scatter).
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> ids = np.array([0, 2, 2, 1, 0])
+      >>> jaxcsr.segment_mean(jnp.arange(5.0), ids, 4)
+      Array([2. , 3. , 1.5, 0. ], dtype=float32)
+    """
+    return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "mean")
+
+
 def segment_log_softmax(
-    logits: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    *,
-    axis: int = 0,
-    impl: str | None = None,
+    logits: Any, segment_ids: Any, num_segments: Size = None, *, axis: int = 0, impl: Impl = None
 ) -> jax.Array:
     """Log of :func:`segment_softmax`, computed as ``x - m - log(sum exp(x - m))``.
 
@@ -373,13 +291,24 @@ def segment_log_softmax(
     return jnp.moveaxis(out.astype(dtype), 0, axis)
 
 
+def segment_max(data: Any, segment_ids: Any, num_segments: Size = None,
+                indices_are_sorted: bool = False, unique_indices: bool = False,
+                bucket_size: Size = None, mode: Mode = None, *, axis: int = 0,
+                return_arg: bool = False, impl: Impl = None) -> Any:  # fmt: skip
+    """Maximum of ``data`` over segments. Empty segments are 0 (``jax.ops`` gives
+    ``-inf``); NaN propagates.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> x = jnp.array([1.0, 3.0, 2.0, 4.0, 5.0, 6.0])
+      >>> jaxcsr.segment_max(x, np.array([0, 1, 0, 1, 1, 3]), 4, return_arg=True)
+      (Array([2., 5., 0., 6.], dtype=float32), Array([2, 4, 6, 5], dtype=int32))
+    """
+    return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "max")
+
+
 def segment_logsumexp(
-    logits: Any,
-    segment_ids: Any,
-    num_segments: int | None = None,
-    *,
-    axis: int = 0,
-    impl: str | None = None,
+    logits: Any, segment_ids: Any, num_segments: Size = None, *, axis: int = 0, impl: Impl = None
 ) -> jax.Array:
     """``log(sum(exp(x)))`` per segment, stable; empty segments are 0 (torch_scatter).
 
@@ -399,3 +328,24 @@ def segment_logsumexp(
     # log(0) only where the segment is empty; keep its gradient finite there.
     out = jnp.where(nonempty, jnp.log(jnp.where(nonempty, total, 1)) + peak, 0)
     return jnp.moveaxis(out.astype(dtype), 0, axis)
+
+
+def segment_min(data: Any, segment_ids: Any, num_segments: Size = None,
+                indices_are_sorted: bool = False, unique_indices: bool = False,
+                bucket_size: Size = None, mode: Mode = None, *, axis: int = 0,
+                return_arg: bool = False, impl: Impl = None) -> Any:  # fmt: skip
+    """Minimum of ``data`` over segments (empty ones: 0, where ``jax.ops`` gives ``+inf``).
+
+    NaN propagates.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> jaxcsr.segment_min(jnp.array([1.0, 3, 2, 4, 5, 6]), np.array([0, 1, 0, 1, 1, 3]), 4)
+      Array([1., 3., 0., 6.], dtype=float32)
+    """
+    return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "min")
+
+
+for _reduction in (segment_sum, segment_mean, segment_max, segment_min):
+    _summary, _example = _reduction.__doc__.split("\n\n    Example:", 1)
+    _reduction.__doc__ = f"{_summary}\n{_ARGS}\n    Example:{_example}"

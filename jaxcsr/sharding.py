@@ -192,8 +192,7 @@ class ShardedCSR(SparseOperand):
     def __init__(self, index_leaves, data, send, recv, layout: _Layout, plan_: _Plan):
         self._index_leaves = tuple(index_leaves)
         self._data = data
-        self._send = send
-        self._recv = recv
+        self._send, self._recv = send, recv  # the relayout's row maps (None: aligned)
         self._plan = plan_
         self._layout = layout
 

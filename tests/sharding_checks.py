@@ -180,7 +180,7 @@ def check_auto_axes(mesh):
 
 def check_gcn():
     """The GCN client on all devices reaches the single-device accuracy."""
-    from benchmarks import gcn
+    from examples import gcn
 
     data = gcn.load_cora()
     for seed in (0,):  # 40 epochs keeps the test short; same seed, same dropout masks

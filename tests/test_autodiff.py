@@ -113,13 +113,6 @@ def test_vmap_over_matrix_values_and_grad_of_vmap(rng):
         assert_close(g[b], expected, np.float32)
 
 
-def test_vmap_over_structure_is_rejected(rng):
-    A = _matrix(rng, "general")
-    stacked = jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), A)
-    with pytest.raises(ValueError, match="structure is static"):
-        jax.vmap(lambda A: A @ jnp.ones(A.shape[1]))(stacked)
-
-
 def test_scan_and_jit(rng):
     A = _matrix(rng, "segment")
     B = CSRMatrix.from_scipy(random_csr(rng, A.shape[1], A.shape[0], "uniform"))

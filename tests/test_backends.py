@@ -40,22 +40,6 @@ def test_default_matrix_plans_only_the_default_backend(rng):
         assert A.index.plans == {"xla": None}  # no kernel arrays held on CPU
 
 
-@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
-def test_impl_without_its_plan_raises_naming_backends(rng, impl):
-    A = CSRMatrix.from_indices(power_law_ids(rng, 50, 7), num_rows=7, backends=["xla"])
-    with pytest.raises(ValueError, match=rf"impl='{impl}' needs a matrix planned.*backends="):
-        jaxcsr.matmul(A, jnp.ones((50, 2)), impl=impl, interpret=True)
-    with pytest.raises(ValueError, match="backends="):
-        jaxcsr.matmul(A.T, jnp.ones((7, 2)), impl=impl, interpret=True)
-
-
-def test_bad_backends_argument():
-    with pytest.raises(ValueError, match="backends: unknown backend 'cuda'"):
-        CSRMatrix.from_indices(np.array([0, 1]), 2, backends=["cuda"])
-    with pytest.raises(TypeError, match="backends must be a sequence"):
-        CSRMatrix.from_indices(np.array([0, 1]), 2, backends=3)
-
-
 def test_segment_functions_plan_the_kernel_they_are_asked_for(rng):
     idx = power_law_ids(rng, 60, 9)
     x = jnp.asarray(random_values(rng, (60, 3)).astype(np.float32))
@@ -301,11 +285,3 @@ def test_a_backend_registered_later_works_end_to_end(rng, toy_backend):
     assert len(toy_backend) == before + 1
     with pytest.raises(TypeError, match="impl='toy' supports float32"):
         jaxcsr.matmul(A, x.astype(jnp.float16), impl="toy")
-
-
-def test_an_unregistered_backend_is_refused_by_name():
-    assert "toy" not in jaxcsr.IMPLS
-    with pytest.raises(ValueError, match="impl must be one of"):
-        jaxcsr.matmul(CSRMatrix.from_indices(np.array([0, 1]), 2), jnp.ones(2), impl="toy")
-    with pytest.raises(TypeError, match=r"must be a jaxcsr\.kernels\.Backend"):
-        kernels.register("toy")

@@ -67,7 +67,7 @@ def test_relative_error_detects_mismatch():
 
 
 def test_attention_benchmark_checks_and_writes(tmp_path):
-    from benchmarks import attention
+    from benchmarks.studies import attention
 
     argv = ["--graphs", "cora", "--softmax-widths", "1,3", "--sddmm-widths", "4"]
     rows = attention.main([*argv, "--repeats", "1", "--out", str(tmp_path)])
@@ -85,7 +85,7 @@ def test_attention_benchmark_checks_and_writes(tmp_path):
 
 
 def test_strategy_crossover_table(tmp_path):
-    from benchmarks import strategies
+    from benchmarks.studies import strategies
 
     rows = strategies.main(
         ["--graphs", "cora", "--widths", "1,8", "--repeats", "1", "--out", str(tmp_path)]

@@ -1,4 +1,5 @@
-"""Bad input raises a named ValueError/TypeError before any device work."""
+"""Bad input, in one place: every public entry point raises a ValueError or TypeError
+that names the argument, before any device work."""
 
 from __future__ import annotations
 
@@ -7,10 +8,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import scipy.sparse as sp
-from reference import ALL
+from reference import ALL, assert_close, power_law_ids, random_csr
 
 import jaxcsr
-from jaxcsr import CSRMatrix
+from jaxcsr import CSRMatrix, kernels
+from jaxcsr.kernels import xla as xla_kernels
+
+GENERAL = np.array([[1.0, 2.0], [3.0, 0.0]])  # a column and a row with two entries
 
 
 @pytest.mark.parametrize(
@@ -220,3 +224,149 @@ def test_shard_of_traced_values_says_what_to_do():
 
     with pytest.raises(ValueError, match=r"A holds traced values.*outside jax\.jit"):
         f(jnp.ones(3))
+
+
+def test_sizes_reject_bools_and_floats():
+    with pytest.raises(TypeError, match="num_rows must be an int, got the bool True"):
+        CSRMatrix.from_indices(np.array([0, 0]), num_rows=True)
+    ids = np.array([0, 1, 1])
+    jaxcsr.segment_sum(jnp.ones(3), ids, 2)  # caches the matrix under num_segments=2
+    with pytest.raises(TypeError, match=r"num_segments must be an int, got 2\.0"):
+        jaxcsr.segment_sum(jnp.ones(3), ids, 2.0)
+    with pytest.raises(TypeError, match="num_segments must be an int"):
+        jaxcsr.segment_sum(jnp.ones(3), ids, False)
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_impl_without_its_plan_raises_naming_backends(rng, impl):
+    A = CSRMatrix.from_indices(power_law_ids(rng, 50, 7), num_rows=7, backends=["xla"])
+    with pytest.raises(ValueError, match=rf"impl='{impl}' needs a matrix planned.*backends="):
+        jaxcsr.matmul(A, jnp.ones((50, 2)), impl=impl, interpret=True)
+    with pytest.raises(ValueError, match="backends="):
+        jaxcsr.matmul(A.T, jnp.ones((7, 2)), impl=impl, interpret=True)
+
+
+def test_bad_backends_argument():
+    with pytest.raises(ValueError, match="backends: unknown backend 'cuda'"):
+        CSRMatrix.from_indices(np.array([0, 1]), 2, backends=["cuda"])
+    with pytest.raises(TypeError, match="backends must be a sequence"):
+        CSRMatrix.from_indices(np.array([0, 1]), 2, backends=3)
+
+
+def test_an_unregistered_backend_is_refused_by_name():
+    assert "toy" not in jaxcsr.IMPLS
+    with pytest.raises(ValueError, match="impl must be one of"):
+        jaxcsr.matmul(CSRMatrix.from_indices(np.array([0, 1]), 2), jnp.ones(2), impl="toy")
+    with pytest.raises(TypeError, match=r"must be a jaxcsr\.kernels\.Backend"):
+        kernels.register("toy")
+
+
+def test_pallas_gpu_without_gpu_or_interpret_is_explained():
+    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2, backends=ALL)
+    with pytest.raises(NotImplementedError, match=r"needs platform .cuda.*interpret=True"):
+        jaxcsr.matmul(A, jnp.ones((3, 2)), impl="pallas_gpu")
+    with pytest.raises(TypeError, match=r"pallas_gpu. supports bfloat16/float16/float32"):
+        jaxcsr.matmul(A, jnp.ones((3, 2), jnp.int32), impl="pallas_gpu", interpret=True)
+
+
+def test_strategy_preconditions(rng):
+    A = CSRMatrix.from_dense(GENERAL)
+    assert A.structure.layout.kind == "general"
+    x = jnp.ones((A.shape[1], 2))
+    with pytest.raises(ValueError, match="scatter"):
+        xla_kernels.spmm(x, A.data, A.structure, strategy="scatter")
+    with pytest.raises(ValueError, match="gather"):
+        xla_kernels.spmm(x, A.data, A.structure, strategy="gather")
+    with pytest.raises(ValueError, match="strategy must be one of"):
+        xla_kernels.spmm(x, A.data, A.structure, strategy="nope")
+
+
+def test_bad_reduce_arguments_are_named(rng):
+    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2, backends=ALL)
+    x = jnp.ones((3, 2))
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        jaxcsr.matmul(A, x, reduce="prod")
+    with pytest.raises(ValueError, match="return_arg=True needs reduce='max' or 'min'"):
+        jaxcsr.matmul(A, x, reduce="sum", return_arg=True)
+    with pytest.raises(TypeError, match="return_arg must be a bool"):
+        jaxcsr.matmul(A, x, reduce="max", return_arg=1)
+    with pytest.raises(TypeError, match="reduce='max' needs real dtypes"):
+        jaxcsr.matmul(A, x.astype(jnp.complex64), reduce="max")
+
+
+def test_vmap_over_structure_is_rejected(rng):
+    A = CSRMatrix.from_dense(GENERAL)
+    stacked = jax.tree_util.tree_map(lambda a: jnp.stack([a, a]), A)
+    with pytest.raises(ValueError, match="structure is static"):
+        jax.vmap(lambda A: A @ jnp.ones(A.shape[1]))(stacked)
+
+
+def test_vmap_over_a_stack_of_matrices_says_what_works(rng):
+    """A stack of matrices can be scanned over, not vmapped: the error says so."""
+    mats = [
+        CSRMatrix.from_coo(rng.integers(0, 6, 20), rng.integers(0, 5, 20), shape=(6, 5))
+        for _ in range(3)
+    ]
+    stack = jax.tree.map(lambda *leaves: jnp.stack(leaves), *mats)
+    x = jnp.asarray(rng.standard_normal((5, 2)), jnp.float32)
+    X = jnp.asarray(rng.standard_normal((6, 2)), jnp.float32)
+    for f in (
+        lambda A: A @ x,
+        lambda A: jaxcsr.sddmm(A, X, x),
+        lambda A: jaxcsr.edge_softmax(A, jnp.ones(A.nnz)),
+    ):
+        with pytest.raises(ValueError, match=r"(?s)vmap over a stack.*lax\.scan"):
+            jax.vmap(f)(stack)
+    _, scanned = jax.lax.scan(lambda c, A: (c, A @ x), 0, stack)
+    for out, A in zip(scanned, mats, strict=True):
+        assert_close(out, A.to_scipy().toarray() @ np.asarray(x, np.float64), np.float32)
+
+
+def test_mul_is_not_a_jaxcsr_reduce():
+    A = jaxcsr.CSRMatrix.from_indices(np.array([0, 1, 0]), num_rows=2)
+    with pytest.raises(ValueError, match="reduce must be one of"):
+        jaxcsr.matmul(A, jnp.ones(3), reduce="mul")
+
+
+def test_segment_functions_name_bad_arguments():
+    v = jnp.ones((4, 2))
+    with pytest.raises(TypeError, match="segment_ids must have an integer dtype"):
+        jaxcsr.segment_sum(v, np.ones(4), 2)
+    with pytest.raises(ValueError, match="segment_ids must be 1-D"):
+        jaxcsr.segment_sum(v, np.zeros((2, 2), int), 2)
+    with pytest.raises(ValueError, match=r"data.shape\[0\] must equal len\(segment_ids\) = 3"):
+        jaxcsr.segment_sum(v, np.zeros(3, int), 2)
+    with pytest.raises(ValueError, match="axis 2 is out of bounds"):
+        jaxcsr.segment_sum(v, np.zeros(4, int), 2, axis=2)
+    with pytest.raises(TypeError, match="num_segments must be an int"):
+        jaxcsr.segment_sum(v, np.zeros(4, int), 2.5)
+    with pytest.raises(ValueError, match="segment_ids is a traced JAX value"):
+        jax.jit(lambda ids: jaxcsr.segment_sum(v, ids, 2))(jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match="return_arg=True needs reduce='max' or 'min'"):
+        jaxcsr.segment_mean(v, np.zeros(4, int), 2, return_arg=True)
+    with pytest.raises(TypeError, match="logits must have a floating dtype"):
+        jaxcsr.segment_softmax(jnp.ones(4, jnp.int32), np.zeros(4, int), 1)
+
+
+def test_edge_softmax_names_bad_arguments(rng):
+    A = CSRMatrix.from_scipy(random_csr(rng, 5, 4, "uniform"))
+    with pytest.raises(TypeError, match=r"A must be a jaxcsr\.CSRMatrix"):
+        jaxcsr.edge_softmax(A.to_scipy(), np.ones(A.nnz))
+    with pytest.raises(TypeError, match="scores must have a floating dtype"):
+        jaxcsr.edge_softmax(A, np.ones(A.nnz, np.int32))
+    with pytest.raises(ValueError, match=r"scores must have shape \(nnz, ...\)"):
+        jaxcsr.edge_softmax(A, np.ones(A.nnz + 1, np.float32))
+    with pytest.raises(ValueError, match=r"scores must have shape \(nnz, ...\)"):
+        jaxcsr.edge_softmax(A, np.float32(1.0))
+
+
+def test_sddmm_names_bad_input():
+    B = CSRMatrix.from_dense(np.eye(3))
+    with pytest.raises(ValueError, match=r"X.shape\[0\] must be A.shape\[0\] = 3"):
+        jaxcsr.sddmm(B, np.ones((2, 4)), np.ones((3, 4)))
+    with pytest.raises(ValueError, match="agree past the first axis"):
+        jaxcsr.sddmm(B, np.ones((3, 4)), np.ones((3, 5)))
+    with pytest.raises(TypeError, match="X must have a floating dtype"):
+        jaxcsr.sddmm(B, np.ones((3, 4), np.int32), np.ones((3, 4)))
+    with pytest.raises(TypeError, match=r"A must be a jaxcsr\.CSRMatrix"):
+        jaxcsr.sddmm(np.eye(3), np.ones((3, 4)), np.ones((3, 4)))

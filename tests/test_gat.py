@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from benchmarks import gat
+from examples import gat
 
 
 @pytest.fixture(scope="module")

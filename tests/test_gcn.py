@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from benchmarks import gcn
+from examples import gcn
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The Triton kernel's Hopper machine code, compiled on CPU (see benchmarks/gpu_sass.py).
+"""The Triton kernel's Hopper machine code, compiled on CPU (see tests/gpu_sass.py).
 
 Needs the ``[gpu-check]`` extra (pip ``triton``); ``.ci/run`` installs it and sets
 ``JAXCSR_REQUIRE_GPU_CHECK=1`` so that a missing compiler fails CI instead of
@@ -19,7 +19,7 @@ if os.environ.get("JAXCSR_REQUIRE_GPU_CHECK") == "1":
 else:
     pytest.importorskip("triton", reason="the [gpu-check] extra (pip triton) is not installed")
 
-from benchmarks import gpu_sass
+import gpu_sass
 
 
 @pytest.fixture(scope="module")

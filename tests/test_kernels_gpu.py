@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_sass import TRITON_CALL, export_for_cuda
 from reference import (
     ALL,
     assert_close,
@@ -20,7 +21,6 @@ from reference import (
 )
 
 import jaxcsr
-from benchmarks.gpu_sass import TRITON_CALL, export_for_cuda
 from jaxcsr import CSRMatrix
 from jaxcsr.kernels import gpu
 
@@ -93,14 +93,6 @@ def test_vmap_and_jit(rng):
     xs = random_values(rng, (2, 60, 3)).astype(np.float32)
     out = jax.jit(jax.vmap(lambda v: gpu_matmul(A, v)))(jnp.asarray(xs))
     assert_close(out, np.einsum("mn,bnf->bmf", dense_of(A), xs.astype(np.float64)), np.float32)
-
-
-def test_pallas_gpu_without_gpu_or_interpret_is_explained():
-    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2, backends=ALL)
-    with pytest.raises(NotImplementedError, match=r"needs platform .cuda.*interpret=True"):
-        jaxcsr.matmul(A, jnp.ones((3, 2)), impl="pallas_gpu")
-    with pytest.raises(TypeError, match="pallas_gpu. supports bfloat16/float16/float32"):
-        jaxcsr.matmul(A, jnp.ones((3, 2), jnp.int32), impl="pallas_gpu", interpret=True)
 
 
 def _hub_ids(rng, size, num_rows, share):
@@ -284,8 +276,8 @@ def test_lowers_to_triton_for_cuda(dtype):
 
 
 def test_gpu_benchmark_script_smoke(tmp_path):
-    """benchmarks/gpu.py runs end to end (CPU, interpret mode) and checks the kernel."""
-    from benchmarks.gpu import main
+    """benchmarks/hardware/on_gpu.py runs end to end (CPU, interpret mode) and checks the kernel."""
+    from benchmarks.hardware.on_gpu import main
 
     result = main(["--smoke", "--out", str(tmp_path)])
     assert {(r["workload"], r["pass_"]) for r in result["rows"]} == {

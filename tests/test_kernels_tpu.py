@@ -158,10 +158,27 @@ def test_lowers_to_mosaic_for_tpu(dtype):
 
 def test_schedule_stats_for_docs():
     """The command behind docs/tpu.md's schedule table runs on any machine."""
-    from benchmarks.tpu import schedule_stats
+    from benchmarks.hardware.on_tpu import schedule_stats
 
     rows = schedule_stats()
     assert len(rows) == 4
     for row in rows:
         ratio = float(row.split("|")[6])
         assert ratio >= 1.0  # never fewer steps than ceil(nnz / BLOCK_K)
+
+
+@pytest.mark.parametrize("n_features,reduce", [(32, "max"), (64, "min")])
+def test_tpu_kernel_keeps_nan_at_wide_features(rng, reduce, n_features):
+    """XLA:CPU's vectorised max over a (128, F >= 32) tile dropped a NaN in interpret
+    mode; the kernel now propagates NaN by an explicit count."""
+    idx = power_law_ids(rng, 200, 9)
+    x = random_values(rng, (200, n_features)).astype(np.float32)
+    x[np.flatnonzero(idx == idx[0])[0], 5] = np.nan
+    x[np.flatnonzero(idx == idx[-1])[-1], n_features - 1] = np.nan
+    A = CSRMatrix.from_indices(idx, num_rows=9, backends=ALL)
+    out = np.asarray(
+        jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl="pallas_tpu", interpret=True)
+    )
+    xla = np.asarray(jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl="xla"))
+    assert np.isnan(out[idx[0], 5]) and np.isnan(out[idx[-1], n_features - 1])
+    np.testing.assert_array_equal(out, xla)  # NaN where XLA has NaN, equal elsewhere

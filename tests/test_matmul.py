@@ -155,17 +155,6 @@ def test_every_strategy_computes_the_same_function(rng, kind, strategy):
     assert_close(out, mat @ x.astype(np.float64), np.float32)
 
 
-def test_strategy_preconditions(rng):
-    A, _ = _pattern_case(rng, "general")
-    x = jnp.ones((A.shape[1], 2))
-    with pytest.raises(ValueError, match="scatter"):
-        xla_kernels.spmm(x, A.data, A.structure, strategy="scatter")
-    with pytest.raises(ValueError, match="gather"):
-        xla_kernels.spmm(x, A.data, A.structure, strategy="gather")
-    with pytest.raises(ValueError, match="strategy must be one of"):
-        xla_kernels.spmm(x, A.data, A.structure, strategy="nope")
-
-
 def test_strategy_choice(rng):
     choose = xla_kernels.choose_strategy
     segment, sorted_ids, gather, general = (

@@ -9,6 +9,7 @@ import pytest
 import scipy.sparse as sp
 from reference import assert_close, power_law_ids, random_csr, random_values
 
+import jaxcsr
 from jaxcsr import CSRMatrix
 
 
@@ -105,3 +106,46 @@ def test_empty_matrices():
         assert A.todense().shape == shape
     A = CSRMatrix.from_indices(np.zeros(0, int), num_rows=0)
     assert (A @ jnp.ones((0, 3))).shape == (0, 3)
+
+
+def test_from_scipy_coo_keeps_duplicates(rng):
+    row = np.array([0, 0, 1, 0, 2])
+    col = np.array([1, 1, 0, 1, 2])  # (0, 1) three times
+    vals = random_values(rng, (5,)).astype(np.float32)
+    coo = sp.coo_array((vals, (row, col)), shape=(3, 3))
+    A = CSRMatrix.from_scipy(coo)
+    B = CSRMatrix.from_coo(row, col, vals, shape=(3, 3))
+    C = CSRMatrix.from_scipy(sp.csr_array((vals, (row, col)), shape=(3, 3)))  # summed by scipy
+    assert A.nnz == B.nnz == 5 and C.nnz == 3
+    x = jnp.asarray(random_values(rng, (3, 2)).astype(np.float32))
+    for reduce in ("mean", "max", "sum"):
+        np.testing.assert_allclose(
+            np.asarray(jaxcsr.matmul(A, x, reduce=reduce)),
+            np.asarray(jaxcsr.matmul(B, x, reduce=reduce)),
+            rtol=1e-6,
+        )
+    np.testing.assert_allclose(np.asarray(A.todense()), coo.toarray(), rtol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
+def test_to_scipy_of_16_bit_values_is_usable(rng, dtype):
+    vals = random_values(rng, (4,))
+    A = CSRMatrix.from_coo([0, 1, 1, 2], [2, 0, 1, 2], jnp.asarray(vals, dtype), shape=(3, 3))
+    mat = A.to_scipy()
+    assert mat.dtype == np.float32
+    expected = np.zeros((3, 3))
+    expected[[0, 1, 1, 2], [2, 0, 1, 2]] = np.asarray(jnp.asarray(vals, dtype), np.float64)
+    np.testing.assert_array_equal(mat.toarray(), expected.astype(np.float32))
+    assert (mat @ np.ones(3)).shape == (3,)
+
+
+def test_empty_sequences_are_empty_ids():
+    A = CSRMatrix.from_indices([], num_rows=3)
+    assert A.shape == (3, 0)
+    np.testing.assert_array_equal(np.asarray(A @ jnp.zeros((0, 2))), np.zeros((3, 2)))
+    out = jaxcsr.segment_sum(jnp.zeros((0,)), [], 3)
+    np.testing.assert_array_equal(
+        np.asarray(out), np.asarray(jax.ops.segment_sum(jnp.zeros((0,)), jnp.zeros((0,), int), 3))
+    )
+    with pytest.raises(TypeError, match="integer dtype, got float64"):
+        CSRMatrix.from_indices(np.array([0.0, 1.0]), num_rows=3)  # a float array still fails

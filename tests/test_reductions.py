@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+import textwrap
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from gpu_sass import TRITON_CALL, export_for_cuda
 from jax import export
 from reference import (
     ALL,
@@ -20,7 +26,6 @@ from reference import (
 )
 
 import jaxcsr
-from benchmarks.gpu_sass import TRITON_CALL, export_for_cuda
 from jaxcsr import CSRMatrix
 
 REDUCES = ["sum", "mean", "max", "min"]
@@ -328,19 +333,6 @@ def test_jit_vmap_and_scan(rng, reduce):
     assert_close(scanned, per_item, np.float32)
 
 
-def test_bad_reduce_arguments_are_named(rng):
-    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2, backends=ALL)
-    x = jnp.ones((3, 2))
-    with pytest.raises(ValueError, match="reduce must be one of"):
-        jaxcsr.matmul(A, x, reduce="prod")
-    with pytest.raises(ValueError, match="return_arg=True needs reduce='max' or 'min'"):
-        jaxcsr.matmul(A, x, reduce="sum", return_arg=True)
-    with pytest.raises(TypeError, match="return_arg must be a bool"):
-        jaxcsr.matmul(A, x, reduce="max", return_arg=1)
-    with pytest.raises(TypeError, match="reduce='max' needs real dtypes"):
-        jaxcsr.matmul(A, x.astype(jnp.complex64), reduce="max")
-
-
 @pytest.mark.parametrize("reduce", EXTREMES)
 def test_max_min_kernels_lower_for_hardware(rng, reduce):
     A = CSRMatrix.from_indices(power_law_ids(rng, 300, 40), num_rows=40, backends=ALL)
@@ -431,3 +423,66 @@ def test_tied_extremes_send_the_gradient_to_the_first_entry_only(rng, reduce, im
                 k = lo + np.flatnonzero(products == target)[0]
                 want_t[i, f] = data[k] * dx[indices[k], f]
         np.testing.assert_allclose(np.asarray(tangent), want_t, rtol=1e-6, atol=1e-6, err_msg=kind)
+
+
+INT8 = (jnp.int8, [100, 100, 7], [100, 7])  # the int8 sum 200 overflowed to -28
+
+
+F16 = (jnp.float16, [40000.0, 40000.0, 1.5], [40000.0, 1.5])  # the f16 sum was inf
+
+
+@pytest.mark.parametrize(
+    "dtype,values,expected,impl,interpret",
+    [(*INT8, "xla", False), (*F16, "xla", False), (*F16, "pallas_gpu", True)],
+)
+def test_mean_divides_before_rounding(dtype, values, expected, impl, interpret):
+    A = CSRMatrix.from_indices(np.array([0, 0, 1]), num_rows=2, backends=ALL)
+    x = jnp.asarray(values, dtype)
+    out = jaxcsr.matmul(A, x, reduce="mean", impl=impl, interpret=interpret)
+    assert out.dtype == dtype
+    np.testing.assert_allclose(np.asarray(out, np.float64), expected, rtol=1e-2)
+    seg = jaxcsr.segment_mean(x, np.array([0, 0, 1]), 2)
+    np.testing.assert_array_equal(np.asarray(seg), np.asarray(out))
+
+
+X64_SCRIPT = textwrap.dedent(
+    """
+    import jax, jax.numpy as jnp, numpy as np, jaxcsr
+    from jax.test_util import check_grads
+    from jaxcsr import CSRMatrix
+    assert jax.config.jax_enable_x64
+    rng = np.random.default_rng(0)
+    ALL = ("xla", "pallas_gpu", "pallas_tpu")
+    idx = rng.integers(0, 7, 60)
+    A = CSRMatrix.from_indices(idx, num_rows=7, backends=ALL)
+    x32 = rng.uniform(-2, 2, (60, 3)).astype(np.float32)
+    for reduce in ("max", "min"):
+        # the x64 default dtype used to leak into the GPU kernel's output buffer
+        out = jaxcsr.matmul(A, jnp.asarray(x32), reduce=reduce, impl="pallas_gpu", interpret=True)
+        ref = jaxcsr.matmul(A, jnp.asarray(x32), reduce=reduce, impl="xla")
+        assert out.dtype == np.float32, out.dtype
+        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
+        seg = jaxcsr.segment_max if reduce == "max" else jaxcsr.segment_min
+        np.testing.assert_array_equal(np.asarray(seg(jnp.asarray(x32), idx, 7)), np.asarray(ref))
+    # float64 mean/max/min and their gradients against float64 numpy
+    x = rng.uniform(-2, 2, (60, 3))
+    for reduce in ("mean", "max", "min"):
+        out = np.asarray(jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce))
+        assert out.dtype == np.float64
+        for r in range(7):
+            rows = x[idx == r]
+            want = {"mean": rows.mean(0), "max": rows.max(0), "min": rows.min(0)}[reduce]
+            np.testing.assert_allclose(out[r], want if len(rows) else 0.0, rtol=1e-12)
+        check_grads(lambda v: jaxcsr.matmul(A, v, reduce=reduce), (jnp.asarray(x),), 1, eps=1e-6)
+    print("ok")
+    """
+)
+
+
+def test_x64_kernels_and_float64_reductions():
+    env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
+    result = subprocess.run(
+        [sys.executable, "-c", X64_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip().endswith("ok")

@@ -254,12 +254,6 @@ def test_segment_csr_and_coo_vectors(case, reduce, dtype):
         check(jaxcsr.matmul(A, src, reduce=reduce, return_arg=extreme), case, reduce, dtype)
 
 
-def test_mul_is_not_a_jaxcsr_reduce():
-    A = jaxcsr.CSRMatrix.from_indices(np.array([0, 1, 0]), num_rows=2)
-    with pytest.raises(ValueError, match="reduce must be one of"):
-        jaxcsr.matmul(A, jnp.ones(3), reduce="mul")
-
-
 # composite/test_softmax.py and composite/test_logsumexp.py
 SOFTMAX_SRC = [0.2, 0, 0.2, -2.1, 3.2, 7, -1, float("-inf")]
 SOFTMAX_INDEX = [0, 1, 0, 1, 1, 2, 4, 4]

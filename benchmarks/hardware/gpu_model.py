@@ -1,6 +1,6 @@
 """A bandwidth/latency model of the GPU kernels -- estimates, not measurements.
 
-``python -m benchmarks.gpu_model [--shared ../shared/data]`` prints, for the
+``python -m benchmarks.hardware.gpu_model [--shared ../shared/data]`` prints, for the
 previous (atomic) Triton kernel and the current two-pass kernel, on twitter_ego's
 segment form, law_cnr2000_sym and the 1-24-segment reduction at F = 16/64/256: bytes
 moved, programs, the longest dependent chain of memory latencies (summed over the passes, which

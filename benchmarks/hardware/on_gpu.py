@@ -1,4 +1,4 @@
-"""GPU benchmark for the Pallas Triton kernel: ``PYTHONPATH=. python benchmarks/gpu.py``.
+"""GPU benchmark for the Pallas Triton kernel: ``python -m benchmarks.hardware.on_gpu``.
 
 Runs from the source tree on a CUDA machine's own python (jax, numpy, scipy,
 torch; nothing to install). In one process it

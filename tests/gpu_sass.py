@@ -1,6 +1,6 @@
 """Hopper machine code of the Pallas Triton kernel, without a GPU.
 
-``python -m benchmarks.gpu_sass [--out DIR]`` exports ``jaxcsr.matmul(...,
+``python tests/gpu_sass.py [--out DIR]`` exports ``jaxcsr.matmul(...,
 impl="pallas_gpu")`` for CUDA on this (CPU) machine, takes the Triton IR out of every
 ``__gpu$xla.gpu.triton`` custom call, compiles it for ``sm_90`` with the pip ``triton``
 package (``pip install -e ".[gpu-check]"``; it bundles ptxas and cuobjdump) and reads

@@ -1,6 +1,6 @@
 """A real client: Kipf & Welling's two-layer GCN on Cora, trained in one jitted step.
 
-``python -m benchmarks.gcn [--seeds 10] [--aggregators jaxcsr,segment_sum,bcsr]``
+``python -m examples.gcn [--seeds 10] [--aggregators jaxcsr,segment_sum,bcsr]``
 
 Loads Cora from ``benchmarks/data/cora.npz`` (Planetoid split: 140 train / 500 val /
 1000 test), builds ``D^-1/2 (A + I) D^-1/2`` with scipy, and trains hidden 16, dropout
@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ import scipy.sparse as sp
 from jax.experimental import sparse as jsparse
 
 import jaxcsr
+from benchmarks import measure
 from benchmarks.datasets import DATA_DIR, load_graph
 from jaxcsr import CSRMatrix
 
@@ -159,10 +159,10 @@ def train(data: Cora, name: str, seed: int, epochs: int = EPOCHS) -> dict[str, A
     times = []
     for epoch in range(epochs):
         key, k = jax.random.split(key)
-        t0 = time.perf_counter()
-        params, state, loss = step(params, state, operand, x, labels, mask, k, epoch)
-        loss.block_until_ready()
-        times.append(time.perf_counter() - t0)
+        seconds, (params, state, loss) = measure.timed(
+            lambda p=params, s=state, k=k, e=epoch: step(p, s, operand, x, labels, mask, k, e)
+        )
+        times.append(seconds)
     logits = forward(params, apply, operand, x, key, train=False)
     pred = np.asarray(jnp.argmax(logits, axis=1))
     acc = float(np.mean(pred[data.test] == data.labels[data.test]))
@@ -243,7 +243,7 @@ def train_edge_weights(data: Cora, seed: int, epochs: int = EPOCHS) -> dict[str,
 
 def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.gcn",
+        prog="python -m examples.gcn",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

@@ -1,4 +1,4 @@
-"""Host planning time and device bytes of a matrix: ``python -m benchmarks.plan``.
+"""Host planning time and device bytes of a matrix: ``python -m benchmarks.studies.planning``.
 
 For K random segment ids (``M = K // 16`` segments, power-law row lengths) it times, in
 one run, a numpy stable argsort of the ids (the floor: planning must sort them once)
@@ -13,12 +13,12 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import time
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from benchmarks import measure
 from benchmarks.datasets import EMBEDDED, load_graph
 from jaxcsr import CSRMatrix
 
@@ -34,14 +34,8 @@ def _ids(rng: np.random.Generator, size: int) -> tuple[np.ndarray, int]:
 
 
 def _best_of(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        out = fn()
-        jax.block_until_ready(out)
-        times.append(time.perf_counter() - start)
-        del out
-    return min(times)
+    """Fastest of ``repeats`` calls (host planning: no compilation to set apart)."""
+    return min(measure.timed(fn)[0] for _ in range(repeats))
 
 
 def _bytes(A: CSRMatrix) -> int:
@@ -142,7 +136,7 @@ def main(argv=None) -> dict:
             "numpy": np.__version__,
             "python": platform.python_version(),
             "machine": platform.machine(),
-            "command": "python -m benchmarks.plan " + " ".join(argv or []),
+            "command": "python -m benchmarks.studies.planning " + " ".join(argv or []),
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)

@@ -1,4 +1,5 @@
-"""Attention workloads against the JAX formulations users write: ``python -m benchmarks.attention``.
+"""Attention workloads against the JAX formulations users write:
+``python -m benchmarks.studies.attention``.
 
 Per graph (``dst`` ids, ``E`` edges, ``V`` nodes) and width ``N`` (heads x features):
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import time
 from pathlib import Path
 
 import jax
@@ -103,7 +103,8 @@ def softmax_cells(graph, widths, repeats, rng) -> list[dict]:
                 fn = jax.jit(f) if pass_ == "fwd" else _fwd_bwd(f)
                 args = (inp,) if pass_ == "fwd" else (inp, c)
                 thunks[name] = lambda fn=fn, args=args: fn(*args)
-            times, outs = _round_robin(thunks, repeats)
+            timings, outs = measure.time_in_turns(thunks, repeats)
+            times = {k: t.median_s for k, t in timings.items()}
             for name, (_, _, _, back) in systems.items():
                 outputs = [outs[name]] if pass_ == "fwd" else list(outs[name])
                 for got, expected in zip(outputs, (want, want_grad), strict=False):
@@ -164,7 +165,8 @@ def sddmm_cells(graph, widths, repeats, rng) -> list[dict]:
             ),
         }
         thunks = {name: (lambda fn=fn, X=X, Y=Y: fn(X, Y)) for name, (fn, _) in systems.items()}
-        times, outs = _round_robin(thunks, repeats)
+        timings, outs = measure.time_in_turns(thunks, repeats)
+        times = {k: t.median_s for k, t in timings.items()}
         for name, (_, csr_order) in systems.items():
             got = np.asarray(outs[name])
             if not csr_order:
@@ -176,23 +178,6 @@ def sddmm_cells(graph, widths, repeats, rng) -> list[dict]:
         rows.append(_finish(cell, times))
         print(_line(rows[-1]), flush=True)
     return rows
-
-
-def _round_robin(thunks: dict, repeats: int) -> tuple[dict, dict]:
-    """Median seconds per thunk, timed in turns (one run of each per round), and each
-    thunk's output. Taking turns spreads this VM's slow spells over every system of a
-    cell instead of whichever ran during one."""
-    run = {k: (lambda thunk=thunk: jax.block_until_ready(thunk())) for k, thunk in thunks.items()}
-    outs = {name: fn() for name, fn in run.items()}  # compile
-    for fn in run.values():  # warm up
-        fn()
-    samples: dict[str, list] = {name: [] for name in thunks}
-    for _ in range(repeats):
-        for name, fn in run.items():
-            t0 = time.perf_counter()
-            fn()
-            samples[name].append(time.perf_counter() - t0)
-    return {name: float(np.median(t)) for name, t in samples.items()}, outs
 
 
 def _finish(cell: dict, times: dict) -> dict:
@@ -243,7 +228,7 @@ def markdown(rows: list[dict], env: dict) -> str:
 
 def main(argv=None) -> list[dict]:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.attention",
+        prog="python -m benchmarks.studies.attention",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -269,7 +254,8 @@ def main(argv=None) -> list[dict]:
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        record = {"command": "python -m benchmarks.attention " + " ".join(argv or sys.argv[1:])}
+        command = "python -m benchmarks.studies.attention " + " ".join(argv or sys.argv[1:])
+        record = {"command": command}
         record.update(environment=env, rows=rows)
         (args.out / "attention.json").write_text(json.dumps(record, indent=1))
         (args.out / "attention.md").write_text(table)

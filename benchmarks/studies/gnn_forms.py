@@ -1,5 +1,5 @@
 """Message passing written three ways, one jitted training step each:
-``python -m benchmarks.gnn_forms``.
+``python -m benchmarks.studies.gnn_forms``.
 
 A mean aggregation of neighbour features ``h (V, F)`` over ``E`` random edges
 ``senders -> receivers``, inside ``jax.value_and_grad`` of a scalar loss:
@@ -17,19 +17,19 @@ backward is the product with the planned transpose. The edge form still gathers
 from __future__ import annotations
 
 import argparse
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxcsr
+from benchmarks import measure
 from jaxcsr import CSRMatrix
 
 
 def main(argv=None) -> dict[str, float]:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.gnn_forms",
+        prog="python -m benchmarks.studies.gnn_forms",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -61,13 +61,8 @@ def main(argv=None) -> dict[str, float]:
     times, outputs = {}, {}
     for name, agg in forms.items():
         step = jax.jit(jax.value_and_grad(lambda h, agg=agg: jnp.sum(jnp.tanh(agg(h)) ** 2)))
-        outputs[name] = jax.block_until_ready(step(h))
-        samples = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            jax.block_until_ready(step(h))
-            samples.append(time.perf_counter() - start)
-        times[name] = float(np.median(samples))
+        timing, outputs[name] = measure.time_thunk(lambda step=step: step(h), args.repeats)
+        times[name] = timing.median_s
     reference = outputs["jax.ops"]
     print(f"V={V:,} E={E:,} F={F}, jitted value_and_grad step, median of {args.repeats}")
     for name, t in times.items():

@@ -1,6 +1,6 @@
 """TPU benchmark (for users with a TPU; not run by this project's CI or authors).
 
-``PYTHONPATH=. python benchmarks/tpu.py [--graph tolokers] [--features 128,512]``
+``python -m benchmarks.hardware.on_tpu [--graph tolokers] [--features 128,512]``
 
 Times the segment form (``from_indices(dst) @ messages``) and the GCN SpMM form,
 forward, with the Pallas TPU kernel (``impl=None`` on TPU), the XLA path,

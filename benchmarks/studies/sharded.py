@@ -1,6 +1,6 @@
 """Sharded products: balance, communication and time on forced CPU devices.
 
-``python -m benchmarks.sharding [--devices 4] [--out DIR]`` forces ``--devices`` CPU
+``python -m benchmarks.studies.sharded [--devices 4] [--out DIR]`` forces ``--devices`` CPU
 devices (XLA_FLAGS, set before jax is imported) and prints
 
 1. shard imbalance (max / mean nonzeros per shard) of the nnz-balanced row split for
@@ -29,7 +29,7 @@ GRAPHS = ("cora", "planetoid_pubmed", "musae_github", "tolokers")
 
 def _parse(argv):
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.sharding",
+        prog="python -m benchmarks.studies.sharded",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )

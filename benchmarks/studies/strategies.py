@@ -1,4 +1,4 @@
-"""Crossovers of the XLA path's CPU strategies: ``python -m benchmarks.strategies``.
+"""Crossovers of the XLA path's CPU strategies: ``python -m benchmarks.studies.strategies``.
 
 Times every strategy that can run a structure (:data:`jaxcsr.kernels.xla.STRATEGIES`)
 at each feature width, forward product only, float32, on real graphs -- the data
@@ -103,7 +103,7 @@ def markdown(rows: list[dict]) -> str:
 
 
 def main(argv=None) -> list[dict]:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.strategies", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m benchmarks.studies.strategies", description=__doc__)
     p.add_argument("--graphs", default="tolokers,musae_github", help="comma-separated")
     p.add_argument("--widths", default="1,2,4,8,16,32,64,128,256", help="comma-separated")
     p.add_argument("--repeats", type=int, default=7)

@@ -1,0 +1,2 @@
+"""Scripts for accelerators (CUDA, TPU) and models of them:
+``python -m benchmarks.hardware.<name>``."""

@@ -1,0 +1,1 @@
+"""Studies behind the design choices: ``python -m benchmarks.studies.<name>``."""

@@ -1,0 +1,1 @@
+"""Runnable model clients of jaxcsr: ``python -m examples.gcn``, ``python -m examples.gat``."""
