@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks.datasets import load_graph
-from jaxcsr.sharding import balanced_row_blocks
+from jaxcsr.sharding import balanced_row_blocks, plan_blocks
 
 CHECKS = Path(__file__).with_name("sharding_checks.py")
 
@@ -69,3 +69,30 @@ def test_imbalance_on_the_embedded_graphs(name):
         nnz = cum[starts[1:]] - cum[starts[:-1]]
         assert nnz.sum() == lengths.sum()
         assert nnz.max() / nnz.mean() <= 1.05, (name, parts, nnz)
+
+
+@pytest.mark.parametrize("balance", ["nnz", "rows"])
+def test_block_plan_places_every_entry_once(balance):
+    """The pure-numpy block plan: contiguous row blocks, every entry in exactly one
+    slot of its own block, capacities that hold the largest block."""
+    rng = np.random.default_rng(int(os.environ.get("JAXCSR_TEST_SEED", "0")))
+    lengths = rng.zipf(1.6, 301).clip(max=400)
+    lengths[[3, 40, 41]] = 0  # empty rows
+    indptr = np.concatenate([[0], np.cumsum(lengths)])
+    shards = 4
+    blocks = plan_blocks(indptr, shards, balance)
+    starts = blocks.row_starts
+    assert starts[0] == 0 and starts[-1] == lengths.size and np.all(np.diff(starts) >= 0)
+    assert blocks.block_rows >= np.diff(starts).max()
+    assert blocks.block_cols >= blocks.block_nnz.max()
+    np.testing.assert_array_equal(blocks.block_nnz, indptr[starts[1:]] - indptr[starts[:-1]])
+    placed = blocks.data_order[blocks.data_order >= 0]
+    np.testing.assert_array_equal(np.sort(placed), np.arange(indptr[-1]))  # each entry once
+    for p in range(shards):  # block p holds exactly the entries of its rows, in order
+        own = blocks.data_order[p][blocks.data_order[p] >= 0]
+        np.testing.assert_array_equal(own, np.arange(indptr[starts[p]], indptr[starts[p + 1]]))
+    if balance == "nnz":
+        mean = indptr[-1] / shards  # contiguous blocks: the optimum is below mean + longest row
+        assert blocks.block_nnz.max() <= max(1.02 * mean, mean + lengths.max()) + 1
+    else:
+        np.testing.assert_array_equal(starts, np.minimum(np.arange(shards + 1) * 76, 301))
