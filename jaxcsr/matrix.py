@@ -576,7 +576,7 @@ class CSRMatrix(SparseOperand):
 
 # --------------------------------------------------------------------- matmul
 def matmul(
-    A: CSRMatrix,
+    A: SparseOperand,
     X: Any,
     *,
     reduce: str = "sum",
@@ -590,7 +590,8 @@ def matmul(
     ``i`` (duplicate entries count separately; a one-valued matrix has no multiply).
 
     Args:
-      A: a :class:`~jaxcsr.CSRMatrix` of shape ``(m, n)``.
+      A: a :class:`~jaxcsr.CSRMatrix` of shape ``(m, n)``, or a
+        :class:`~jaxcsr.ShardedCSR` (which takes neither ``impl`` nor ``interpret``).
       X: dense array of shape ``(n,)`` or ``(n, *features)``; float16, bfloat16,
         float32, float64 (with x64) or integer. Trailing dimensions are flattened
         into one feature axis internally.
