@@ -14,7 +14,8 @@ import numpy as np
 import scipy.sparse as sp
 
 from jaxcsr import kernels, ops, plan
-from jaxcsr.ops import EXTREMES, IMPLS, REDUCTIONS, Index
+from jaxcsr.kernels import IMPLS
+from jaxcsr.ops import EXTREMES, REDUCTIONS, Index
 from jaxcsr.structure import Structure
 from jaxcsr.validation import (
     as_numeric,

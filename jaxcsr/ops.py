@@ -49,12 +49,10 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxcsr import kernels
 from jaxcsr.dtypes import accumulation_dtype, product_dtype
-from jaxcsr.kernels import IMPLS
 from jaxcsr.structure import Structure
 
 __all__ = [
     "EXTREMES",
-    "IMPLS",
     "REDUCTIONS",
     "STATIC_STRUCTURE_MESSAGE",
     "Index",
@@ -215,7 +213,7 @@ def _divide_by_degree(total: jax.Array, structure: Structure, dtype) -> jax.Arra
 def sample(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> jax.Array:
     """``ct @ x.T`` at the stored entries of the view, ``(nnz,)`` in its CSR order: the
     values' cotangent and :func:`jaxcsr.sddmm`, run by the fallback backend."""
-    if _is_empty(structure, 1):
+    if _is_empty(structure, x.shape[1]):
         return jnp.zeros((structure.nnz,), out_dtype)
     return kernels.fallback().sddmm(ct, x, structure, out_dtype=out_dtype)
 

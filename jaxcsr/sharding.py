@@ -486,8 +486,6 @@ def shard(
     """
     if not isinstance(A, CSRMatrix):
         raise TypeError(f"A must be a jaxcsr.CSRMatrix, got {type(A).__name__}")
-    if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
     if form not in (None, "segment", "spmm"):
         raise ValueError(f"form must be None, 'segment' or 'spmm', got {form!r}")
     if axis not in mesh.axis_names:

@@ -170,9 +170,8 @@ def _elementwise(fn, *arrays: jax.Array) -> jax.Array:
     """``fn(*arrays)`` for equal-shape arrays; a single ``(n, 1)`` column runs 1-D.
 
     XLA:CPU does not vectorise elementwise loops over a ``(n, 1)`` array (it does over
-    ``(n,)``). XLA folds plain
-    reshapes back into the loop, so the 1-D views sit behind optimization barriers (no
-    copies: the reshapes are bitcasts).
+    ``(n,)``). XLA folds plain reshapes back into the loop, so the 1-D views sit behind
+    optimization barriers (no copies: the reshapes are bitcasts).
     """
     if arrays[0].ndim != 2 or arrays[0].shape[1] != 1:
         return fn(*arrays)
