@@ -372,7 +372,9 @@ def test_tied_extremes_send_the_gradient_to_the_first_entry_only(rng, reduce, im
         A = _tied(rng, kind)
         m, n = A.shape
         x = rng.integers(-2, 3, size=(n, 3)).astype(np.float32)  # many ties
-        ct = random_values(rng, (m, 3)).astype(np.float32)
+        # integer cotangents: the data gradient, sum_f ct * x, is exact in float32, so it
+        # matches the float64 reference to rtol 1e-6 even where its terms cancel
+        ct = rng.choice([-3.0, -2.0, -1.0, 1.0, 2.0, 3.0], size=(m, 3)).astype(np.float32)
         indptr, indices = np.asarray(A.indptr), np.asarray(A.indices)
         data = np.ones(A.nnz) if A.data is None else np.asarray(A.data, np.float64)
         want_x, want_data = np.zeros((n, 3)), np.zeros(A.nnz)
