@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 
-from jaxcsr import kernels, ops, plan
+from jaxcsr import device_plan, kernels, ops, plan
 from jaxcsr.kernels import IMPLS
 from jaxcsr.ops import EXTREMES, REDUCTIONS, Index
 from jaxcsr.structure import Structure
@@ -21,9 +21,13 @@ from jaxcsr.validation import (
     as_numeric,
     check_coo,
     check_csr_arrays,
+    check_index_range,
     check_numeric_dtype,
     check_segment_ids,
     check_shape,
+    check_size,
+    check_traced_ids,
+    is_traced,
     reject_traced,
 )
 
@@ -211,6 +215,27 @@ class CSRMatrix(SparseOperand):
         )
 
     @classmethod
+    def _planned_on_device(
+        cls,
+        structure: Structure,
+        data: Any | None,
+        backends: Any,
+        input_order: jax.Array | None = None,
+        *,
+        data_order: jax.Array | None = None,
+        input_order_is_columns: bool = False,
+    ) -> CSRMatrix:
+        """:meth:`_planned` for a structure planned on the device (traced ids): the
+        backends' device plans, no host structure, values permuted on the device."""
+        if data is not None:
+            data = _check_values(data, structure.nnz, "data")
+        index = Index.planned_on_device(structure, backends)
+        data_order = input_order if data_order is None else data_order
+        if data is not None and data_order is not None:
+            data = data[data_order]
+        return cls(data, index, input_order, input_order_is_columns=input_order_is_columns)
+
+    @classmethod
     def _from_host_csr(
         cls,
         indptr: np.ndarray,
@@ -225,7 +250,13 @@ class CSRMatrix(SparseOperand):
 
     @classmethod
     def from_indices(
-        cls, idx: Any, num_rows: int, data: Any | None = None, *, backends: Any = None
+        cls,
+        idx: Any,
+        num_rows: int,
+        data: Any | None = None,
+        *,
+        backends: Any = None,
+        indices_are_sorted: bool = False,
     ) -> CSRMatrix:
         """The matrix whose product is a segment sum: ``A[idx[j], j] = 1`` (or ``data[j]``).
 
@@ -235,16 +266,26 @@ class CSRMatrix(SparseOperand):
         the row pointer -- ``8 + 4 (num_rows + 1) / len(idx)`` bytes per id with int32
         indices (4 when the ids are already sorted).
 
+        Concrete ids are planned on the host once and checked: an id outside
+        ``[0, num_rows)`` raises. Traced ids (inside ``jit``, ``grad``, ``scan``,
+        ``vmap``: a new graph every step) are planned on the device at every call,
+        with the same arrays (:mod:`jaxcsr.device_plan`); an id outside
+        ``[0, num_rows)`` is dropped, as ``jax.ops.segment_sum`` drops it (its column
+        is empty). Array lengths depend only on ``(num_rows, len(idx))``, so batches
+        padded to one size compile once.
+
         Args:
-          idx: host integer array ``(K,)`` of segment ids in ``[0, num_rows)``. It
-            must be concrete: building inside ``jax.jit`` raises a ``ValueError``
-            (the structure is planned on the host; build outside and pass the matrix
-            in as an argument).
-          num_rows: number of segments ``M``; the matrix has shape ``(M, K)``.
+          idx: integer array ``(K,)`` of segment ids, concrete or traced.
+          num_rows: number of segments ``M`` (a Python int, also under ``jit``); the
+            matrix has shape ``(M, K)``.
           data: optional ``(K,)`` weights, in the order of ``idx`` (input order).
             Stored in CSR order, ``A.data == data[A.input_order]``. May be traced.
           backends: backend names to plan for (see :attr:`backends`); ``None``: the
             XLA path and the kernel of ``jax.default_backend()``.
+          indices_are_sorted: traced ids only: the caller promises they are
+            non-decreasing with any dropped id at the end (``>= num_rows``), so the
+            device plan skips its sort; a broken promise gives unspecified results,
+            as in ``jax.ops``. Concrete ids are checked instead.
 
         Returns:
           A ``CSRMatrix`` of shape ``(num_rows, len(idx))``.
@@ -257,6 +298,15 @@ class CSRMatrix(SparseOperand):
           >>> bool(jnp.allclose(A @ v, jax.ops.segment_sum(v, idx, 3)))
           True
         """
+        if not isinstance(indices_are_sorted, bool):
+            raise TypeError(f"indices_are_sorted must be a bool, got {indices_are_sorted!r}")
+        if is_traced(idx):
+            num_rows = check_index_range(check_size(num_rows, "num_rows"), "num_rows")
+            idx = check_traced_ids(idx, "idx")
+            structure = device_plan.segment_structure(idx, num_rows, sorted_ids=indices_are_sorted)
+            return cls._planned_on_device(
+                structure, data, backends, data_order=structure.indices, input_order_is_columns=True
+            )
         idx, num_rows = check_segment_ids(idx, num_rows)
         structure = plan.structure_from_segment_ids(idx, num_rows)
         order = None
@@ -273,8 +323,14 @@ class CSRMatrix(SparseOperand):
     ) -> CSRMatrix:
         """Builds a matrix from coordinates; duplicates are kept and add up.
 
+        Concrete coordinates are planned on the host and checked (out of range
+        raises); the matrix takes the cheapest kind that fits (at most one entry per
+        column or per row, else general). Traced coordinates are planned on the
+        device at every call (:mod:`jaxcsr.device_plan`): always the general kind,
+        and an entry with a coordinate outside ``shape`` is dropped.
+
         Args:
-          row, col: host integer arrays ``(nnz,)`` of coordinates.
+          row, col: integer arrays ``(nnz,)`` of coordinates, concrete or traced.
           data: optional ``(nnz,)`` values in input order (may be traced);
             ``None`` for a one-valued matrix.
           shape: ``(m, n)``.
@@ -284,6 +340,17 @@ class CSRMatrix(SparseOperand):
           A ``CSRMatrix``; ``A.data == data[A.input_order]``.
         """
         shape = check_shape(shape)
+        if is_traced(row) or is_traced(col):
+            row, col = (
+                check_traced_ids(jnp.asarray(row), "row"),
+                check_traced_ids(jnp.asarray(col), "col"),
+            )
+            if row.shape != col.shape:
+                raise ValueError(
+                    f"row and col must have the same length, got {row.size} and {col.size}"
+                )
+            structure, order = device_plan.coo_structure(row, col, shape)
+            return cls._planned_on_device(structure, data, backends, order)
         row, col = check_coo(row, col, shape)
         indptr, indices, order = plan.coo_to_csr(row, col, shape)
         return cls._from_host_csr(indptr, indices, data, shape, backends, order)

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from collections.abc import Sequence
 from typing import Any
 
 import jax
@@ -54,10 +55,10 @@ from jaxcsr.structure import Structure
 __all__ = [
     "EXTREMES",
     "REDUCTIONS",
-    "STATIC_STRUCTURE_MESSAGE",
     "Index",
     "ShapedArray",
     "def_jitted_impl",
+    "map_over_batch",
     "csr_matmul_p",
     "opaque",
     "product",
@@ -69,13 +70,20 @@ REDUCTIONS: tuple[str, ...] = ("sum", "mean", "max", "min")
 """``reduce=`` values of every product."""
 EXTREMES: tuple[str, ...] = ("max", "min")
 """The reductions with an arg (``return_arg``) and a piecewise-linear gradient."""
-STATIC_STRUCTURE_MESSAGE = (
-    "vmap over a stack of CSRMatrix structures (batched index arrays) is not supported: "
-    "the structure is static (planned on the host). What works: lax.scan or a "
-    "Python loop over the stack; vmap over the values (A.with_data) or the dense operand "
-    "of one matrix; for many small graphs, one block-diagonal matrix (offset the ids)."
-)
-"""The error every transformation rule raises when ``vmap`` batches a matrix's structure."""
+
+
+def map_over_batch(fn, args: Sequence[Any], dims: Sequence[int | None]) -> jax.Array:
+    """``fn(*args)`` once per batch element (``lax.map``), for ``args`` batched at
+    ``dims`` (``None``: shared by every element). The batching rule of an index that
+    differs per element (``vmap`` over id arrays planned on the device): each element
+    has its own structure, so the products run one after another."""
+    batched = [jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True) if d is not None]
+
+    def one(slices):
+        taken = iter(slices)
+        return fn(*[a if d is None else next(taken) for a, d in zip(args, dims, strict=True)])
+
+    return jax.lax.map(one, batched)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,6 +106,26 @@ class Index:
         index to the device is the caller's."""
         names = kernels.resolve_backends(backends)
         return cls(structure, {name: kernels.BACKENDS[name].plan(structure) for name in names})
+
+    @classmethod
+    def planned_on_device(
+        cls, structure: Structure, backends: Any = None, *, required: bool = True
+    ) -> Index:
+        """:meth:`planned` for a device structure (:mod:`jaxcsr.device_plan`), with each
+        backend's ``device_plan`` (valid under a trace). A backend without one is left
+        out (its platform runs the fallback) when it is a default or ``required`` is
+        False; a requested one raises."""
+        plans = {}
+        for name in kernels.resolve_backends(backends):
+            device_plan = kernels.BACKENDS[name].device_plan
+            if device_plan is None and backends is not None and required:
+                raise ValueError(
+                    f"backends: {name!r} cannot be planned on the device (traced ids); "
+                    "build the matrix from concrete ids, or leave it out"
+                )
+            if device_plan is not None:
+                plans[name] = device_plan(structure)
+        return cls(structure, plans)
 
     def transpose(self) -> Index:
         """The transposed view; plans cover both directions, so they are shared."""
@@ -394,8 +422,12 @@ def _batch(batched_args, batch_dims, *, index_tree, has_data, **params):
     x, data, index = _unpack(batched_args, index_tree, has_data)
     x_bd, *index_bd = batch_dims
     data_bd = index_bd.pop(0) if has_data else None
-    if any(bd is not None for bd in index_bd):
-        raise ValueError(STATIC_STRUCTURE_MESSAGE)
+    if any(bd is not None for bd in index_bd):  # one structure per batch element
+
+        def bind(*operands):
+            return csr_matmul_p.bind(*operands, index_tree=index_tree, has_data=has_data, **params)
+
+        return map_over_batch(bind, batched_args, batch_dims), 0
     m = index.structure.shape[0]
     if data_bd is None:
         # Fold the batch into the feature axis: (n, B, F) -> (n, B * F).

@@ -21,7 +21,7 @@ from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jaxcsr.matrix import CSRMatrix
-from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE, ShapedArray, def_jitted_impl, sample
+from jaxcsr.ops import ShapedArray, def_jitted_impl, map_over_batch, sample
 from jaxcsr.validation import as_numeric
 
 __all__ = ["sddmm", "sddmm_p"]
@@ -147,8 +147,12 @@ def _batch(args, dims, *, index_tree, out_dtype):
     """The batch joins the heads axis: ``(m, B, H, F) -> (m, B * H, F)``."""
     x, y, *leaves = args
     x_bd, y_bd, *leaf_bds = dims
-    if any(bd is not None for bd in leaf_bds):
-        raise ValueError(STATIC_STRUCTURE_MESSAGE)
+    if any(bd is not None for bd in leaf_bds):  # one structure per batch element
+
+        def bind(*operands):
+            return sddmm_p.bind(*operands, index_tree=index_tree, out_dtype=out_dtype)
+
+        return map_over_batch(bind, args, dims), 0
     size = x.shape[x_bd] if x_bd is not None else y.shape[y_bd]
 
     def fold(v, bd):  # (m, H, F) batched at bd -> (m, size * H, F)

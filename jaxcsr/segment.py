@@ -1,26 +1,24 @@
-"""Segment reductions with ``jax.ops.segment_*`` signatures, on a cached planned matrix.
+"""Segment reductions with ``jax.ops.segment_*`` signatures, on a planned matrix.
 
-Each function takes a *static* host array of segment ids, builds (once) the
-one-valued matrix ``A = CSRMatrix.from_indices(segment_ids, num_segments)`` and
-computes ``matmul(A, data, reduce=...)``. The matrix is cached by the ids' value
-(:func:`segment_matrix`), so calling a function again with equal ids -- eagerly,
-or when a jitted function is retraced -- plans nothing. Finding it costs a hash of
-the ids on every *eager* call (inside ``jax.jit`` only when tracing): in an eager
-loop, build the matrix once (``A = segment_matrix(ids, n)`` or
-``CSRMatrix.from_indices``) and call ``matmul(A, data)``.
+Each function builds the one-valued matrix ``A = CSRMatrix.from_indices(segment_ids,
+num_segments)`` and computes ``matmul(A, data, reduce=...)``. The ids may be
 
-Migrating from ``jax.ops`` is a one-line change, with three differences, all
-documented in ``docs/migration.md``:
+* **concrete** (a numpy array, or a JAX array outside ``jax.jit`` / closed over):
+  planned on the host once and cached by the ids' value (:func:`segment_matrix`), so
+  calling again with equal ids -- eagerly, or when a jitted function is retraced --
+  plans nothing. Finding the matrix costs a hash of the ids on every *eager* call:
+  in an eager loop, build the matrix once and call ``matmul(A, data)``. Out-of-range
+  ids raise ``ValueError`` unless ``mode`` says otherwise.
+* **traced** (a new graph at every step: jraph's ``receivers``, a padded batch):
+  planned on the device inside the trace (:mod:`jaxcsr.device_plan`), with
+  ``jax.ops``' semantics -- out-of-range ids are dropped, ``indices_are_sorted=True``
+  skips the sort -- and one compilation per padded size. ``num_segments`` must be a
+  Python int.
 
-* ``segment_ids`` must be concrete (a numpy array, or a JAX array outside
-  ``jax.jit`` / closed over as a constant): the plan is made on the host.
-* Out-of-range ids raise ``ValueError`` unless ``mode="drop"``/``"fill"`` (drop them,
-  as ``jax.ops`` does silently by default) or ``mode="clip"`` asks otherwise.
-* Empty segments give 0 for ``segment_max``/``segment_min`` (torch_scatter's
-  convention); ``jax.ops`` gives ``-inf``/``+inf`` (the identity).
-
-``axis`` (which ``jax.ops`` lacks) picks the axis of ``data`` that is segmented;
-``axis=-1`` is the last-axis scatter ``data @ A.T``.
+Differences from ``jax.ops`` (``docs/migration.md``): empty segments give 0 for
+``segment_max``/``segment_min`` (torch_scatter's convention; ``jax.ops`` gives
+``-inf``/``+inf``), and ``axis`` (which ``jax.ops`` lacks) picks the segmented axis
+of ``data``; ``axis=-1`` is the last-axis scatter ``data @ A.T``.
 """
 
 from __future__ import annotations
@@ -37,7 +35,14 @@ import numpy as np
 from jaxcsr import kernels
 from jaxcsr.matrix import CSRMatrix, matmul
 from jaxcsr.softmax import shifted_exp, softmax_over_rows
-from jaxcsr.validation import as_host_int_array, as_numeric, check_segment_ids, check_size
+from jaxcsr.validation import (
+    as_host_int_array,
+    as_numeric,
+    check_segment_ids,
+    check_size,
+    check_traced_ids,
+    is_traced,
+)
 
 __all__ = ["MODES", "segment_matrix", "segment_sum", "segment_mean", "segment_max", "segment_min"]
 __all__ += ["segment_softmax", "segment_log_softmax", "segment_logsumexp"]
@@ -47,9 +52,11 @@ Mode = str | None
 Impl = str | None
 
 MODES: tuple[Mode, ...] = (None, "promise_in_bounds", "drop", "fill", "clip")
-"""Accepted ``mode`` values. ``None``/``"promise_in_bounds"``: out-of-range ids raise
-``ValueError``; ``"drop"``/``"fill"``: entries with out-of-range ids are left out;
-``"clip"``: ids are clipped into ``[0, num_segments)``."""
+"""Accepted ``mode`` values. Concrete ids: ``None``/``"promise_in_bounds"`` raise
+``ValueError`` on out-of-range ids; ``"drop"``/``"fill"`` leave those entries out;
+``"clip"`` clips ids into ``[0, num_segments)``. Traced ids (whose values are not
+known at trace time) drop out-of-range entries for every mode but ``"clip"``, as
+``jax.ops`` does."""
 
 CACHE_SIZE = 64
 """Most matrices :func:`segment_matrix` keeps (least recently used are evicted)."""
@@ -58,18 +65,27 @@ _cache: collections.OrderedDict[tuple, CSRMatrix] = collections.OrderedDict()
 _cache_lock = threading.Lock()
 
 
-_STATIC_SEGMENT_IDS = (
-    "jaxcsr plans on the host, so it must be static: pass a numpy array (close over it "
-    "inside jax.jit), or build a CSRMatrix.from_indices outside jit and pass the matrix "
-    "in. Ids that change at every step are not static: use jax.ops.segment_sum for those."
-)
-
-
 def _host_ids(segment_ids: Any) -> np.ndarray:
-    ids = as_host_int_array(segment_ids, "segment_ids", _STATIC_SEGMENT_IDS)
+    ids = as_host_int_array(segment_ids, "segment_ids")
     if ids.ndim != 1:
         raise ValueError(f"segment_ids must be 1-D, got shape {ids.shape}")
     return ids
+
+
+def _traced_matrix(segment_ids, num_segments, mode, backends, sorted_ids: bool) -> CSRMatrix:
+    """The device-planned matrix of traced ids (no cache: planned in every trace)."""
+    ids = check_traced_ids(segment_ids, "segment_ids")
+    if num_segments is None:
+        raise TypeError(
+            "num_segments must be given (a Python int) when segment_ids are traced: "
+            "it sets the output shape"
+        )
+    num_segments = check_size(num_segments, "num_segments")
+    if mode == "clip" and num_segments > 0:
+        ids = jnp.clip(ids, 0, num_segments - 1)
+    return CSRMatrix.from_indices(
+        ids, num_segments, backends=backends, indices_are_sorted=sorted_ids
+    )
 
 
 def segment_matrix(
@@ -78,28 +94,36 @@ def segment_matrix(
     mode: str | None = None,
     *,
     backends: Any = None,
+    indices_are_sorted: bool = False,
 ) -> CSRMatrix:
     """The one-valued ``(num_segments, len(segment_ids))`` matrix, cached by value.
 
     Args:
-      segment_ids: concrete 1-D integer array.
+      segment_ids: 1-D integer array. Concrete ids are planned on the host and the
+        matrix is cached by their value; traced ids are planned on the device in
+        the trace (not cached; out-of-range ids dropped, see :data:`MODES`).
       num_segments: number of segments; ``None`` means ``max(segment_ids) + 1``
-        (0 for no ids), as in ``jax.ops``.
+        (0 for no ids), as in ``jax.ops`` (concrete ids only).
       mode: one of :data:`MODES`.
       backends: backends to plan for (see :class:`~jaxcsr.CSRMatrix`); part of the
         cache key.
+      indices_are_sorted: traced ids only, a promise that skips the device sort
+        (see :meth:`~jaxcsr.CSRMatrix.from_indices`); concrete ids are checked.
 
     Returns:
       A :class:`~jaxcsr.CSRMatrix` ``A`` with ``A[segment_ids[j], j] = 1`` (entries
       with dropped ids left out).
 
     Raises:
-      ValueError: traced or non-1-D ids, out-of-range ids (unless ``mode`` says
+      ValueError: non-1-D ids, out-of-range concrete ids (unless ``mode`` says
         otherwise), negative ``num_segments``, unknown ``mode``.
-      TypeError: non-integer ids or ``num_segments``.
+      TypeError: non-integer ids or ``num_segments``; a traced ``num_segments``, or
+        none with traced ids.
     """
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if is_traced(segment_ids):
+        return _traced_matrix(segment_ids, num_segments, mode, backends, indices_are_sorted)
     ids = _host_ids(segment_ids)
     if num_segments is None:
         num_segments = int(ids.max()) + 1 if ids.size else 0
@@ -156,12 +180,17 @@ def _prepare(
     *,
     name: str = "data",
     floating: bool = False,
+    sorted_ids: bool = False,
 ) -> tuple:
     """Validates (dtype first, before any planning), plans, and moves ``axis`` first.
-    ``name`` is what errors call ``data``; ``floating`` asks for a floating dtype."""
+    ``name`` is what errors call ``data``; ``floating`` asks for a floating dtype;
+    ``sorted_ids`` is ``indices_are_sorted``."""
     data = as_numeric(data, name, floating=floating)
     axis = _check_axis(data, axis)
-    A = segment_matrix(segment_ids, num_segments, mode, backends=_backends_for(impl))
+    backends = _backends_for(impl)
+    A = segment_matrix(
+        segment_ids, num_segments, mode, backends=backends, indices_are_sorted=sorted_ids
+    )
     if A.shape[1] != data.shape[axis]:
         raise ValueError(
             f"data.shape[{axis}] must equal len(segment_ids) = {A.shape[1]}, "
@@ -170,11 +199,10 @@ def _prepare(
     return A, jnp.moveaxis(data, axis, 0), axis
 
 
-def _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, reduce: str):
-    """The one body of every ``segment_<reduce>``: plan (cached), then ``matmul``.
-    (``indices_are_sorted``, ``unique_indices`` and ``bucket_size`` are not needed: the
-    host plan knows.)"""
-    A, x, axis = _prepare(data, segment_ids, num_segments, mode, axis, impl)
+def _reduce(data, segment_ids, num_segments, sorted_ids, mode, axis, return_arg, impl, reduce):
+    """The one body of every ``segment_<reduce>``: plan, then ``matmul``.
+    (``unique_indices`` and ``bucket_size`` are not needed: the plan knows.)"""
+    A, x, axis = _prepare(data, segment_ids, num_segments, mode, axis, impl, sorted_ids=sorted_ids)
     result = matmul(A, x, reduce=reduce, return_arg=return_arg, impl=impl)
     if return_arg:
         out, arg = result
@@ -182,14 +210,22 @@ def _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, reduc
     return jnp.moveaxis(result, 0, axis)
 
 
-def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
+def _softmax_parts(logits, segment_ids, num_segments, sorted_ids, axis, impl):
     """``(A, axis, shifted, exp(shifted), total, peak, input dtype)`` of a stable softmax.
 
     ``shifted`` is each logit minus its segment's (finite) max ``peak``; ``total`` the
     per-segment sum of ``exp(shifted)``; all in float32 or wider.
     """
     A, x, axis = _prepare(
-        logits, segment_ids, num_segments, None, axis, impl, name="logits", floating=True
+        logits,
+        segment_ids,
+        num_segments,
+        None,
+        axis,
+        impl,
+        name="logits",
+        floating=True,
+        sorted_ids=sorted_ids,
     )
     dtype = x.dtype
     x = x.astype(jnp.promote_types(dtype, jnp.float32))
@@ -203,12 +239,17 @@ def _softmax_parts(logits, segment_ids, num_segments, axis, impl):
 _ARGS = """
     Args:
       data: array whose ``axis`` has length ``len(segment_ids)``.
-      segment_ids: concrete 1-D integer array of segment ids (see
-        :func:`segment_matrix`; the planned matrix is cached by value).
-      num_segments: number of segments; ``None`` means ``max(segment_ids) + 1``.
-      indices_are_sorted, unique_indices, bucket_size: accepted for signature
-        compatibility with ``jax.ops`` and ignored: the host plan knows.
-      mode: one of :data:`MODES`; the default raises on out-of-range ids.
+      segment_ids: 1-D integer array of segment ids, concrete (planned on the host,
+        cached by value) or traced (planned on the device; see the module docstring
+        and :func:`segment_matrix`).
+      num_segments: number of segments (a Python int; required for traced ids);
+        ``None`` means ``max(segment_ids) + 1``.
+      indices_are_sorted: traced ids: the promise that skips the device sort;
+        concrete ids: ignored (the host plan checks).
+      unique_indices, bucket_size: accepted for signature compatibility with
+        ``jax.ops`` and ignored: the plan knows.
+      mode: one of :data:`MODES`; with concrete ids the default raises on
+        out-of-range ids, with traced ids they are dropped.
       axis: the segmented axis of ``data`` (``jax.ops`` always uses 0).
       return_arg: max/min only (``ValueError`` otherwise): also return the position
         along ``axis`` of each extreme (ties: the first position; empty segments:
@@ -228,18 +269,21 @@ def segment_sum(data: Any, segment_ids: Any, num_segments: Size = None,
       >>> jaxcsr.segment_sum(jnp.arange(5.0), np.array([0, 2, 2, 1, 0]), 4)
       Array([4., 3., 3., 0.], dtype=float32)
     """
-    return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "sum")
+    return _reduce(
+        data, segment_ids, num_segments, indices_are_sorted, mode, axis, return_arg, impl, "sum"
+    )
 
 
-def segment_softmax(
-    logits: Any, segment_ids: Any, num_segments: Size = None, *, axis: int = 0, impl: Impl = None
-) -> jax.Array:
+def segment_softmax(logits: Any, segment_ids: Any, num_segments: Size = None,
+                    indices_are_sorted: bool = False, *, axis: int = 0,
+                    impl: Impl = None) -> jax.Array:  # fmt: skip
     """Softmax of ``logits`` within each segment (GNN attention over incoming edges).
 
     ``out[j] = exp(x[j] - m) / sum_{i in seg(j)} exp(x[i] - m)`` with ``m`` the
     segment's max (numerically stable). 16-bit inputs are computed in float32 and
     cast back. A segment whose logits are all ``-inf`` gives NaN, as
-    ``jax.nn.softmax`` does. Out-of-range ids raise ``ValueError``. Fused as
+    ``jax.nn.softmax`` does. Out-of-range ids raise ``ValueError`` (concrete ids) or
+    get probability 0 (traced ids, dropped). Fused as
     :func:`jaxcsr.edge_softmax` is (one segmented sum forward in the common case, a
     backward that keeps only the output): the segments are the rows of the planned
     ``from_indices`` matrix.
@@ -251,7 +295,15 @@ def segment_softmax(
       [0.2689, 0.7311, 1.0]
     """
     A, x, axis = _prepare(
-        logits, segment_ids, num_segments, None, axis, impl, name="logits", floating=True
+        logits,
+        segment_ids,
+        num_segments,
+        None,
+        axis,
+        impl,
+        name="logits",
+        floating=True,
+        sorted_ids=indices_are_sorted,
     )
     return jnp.moveaxis(softmax_over_rows(x, A, impl, name="logits"), 0, axis)
 
@@ -270,12 +322,14 @@ def segment_mean(data: Any, segment_ids: Any, num_segments: Size = None,
       >>> jaxcsr.segment_mean(jnp.arange(5.0), ids, 4)
       Array([2. , 3. , 1.5, 0. ], dtype=float32)
     """
-    return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "mean")
+    return _reduce(
+        data, segment_ids, num_segments, indices_are_sorted, mode, axis, return_arg, impl, "mean"
+    )
 
 
-def segment_log_softmax(
-    logits: Any, segment_ids: Any, num_segments: Size = None, *, axis: int = 0, impl: Impl = None
-) -> jax.Array:
+def segment_log_softmax(logits: Any, segment_ids: Any, num_segments: Size = None,
+                        indices_are_sorted: bool = False, *, axis: int = 0,
+                        impl: Impl = None) -> jax.Array:  # fmt: skip
     """Log of :func:`segment_softmax`, computed as ``x - m - log(sum exp(x - m))``.
 
     Example:
@@ -285,9 +339,13 @@ def segment_log_softmax(
       [-0.6931, -0.6931]
     """
     A, axis, shifted, _, total, _, dtype = _softmax_parts(
-        logits, segment_ids, num_segments, axis, impl
+        logits, segment_ids, num_segments, indices_are_sorted, axis, impl
     )
     out = shifted - matmul(A.T, jnp.log(total), impl=impl)
+    s = A.structure
+    if s.layout.padded:  # dropped entries (traced ids out of range): probability 0
+        dropped = (s.row_of_col >= s.shape[0]).reshape((-1,) + (1,) * (out.ndim - 1))
+        out = jnp.where(dropped, -jnp.inf, out)
     return jnp.moveaxis(out.astype(dtype), 0, axis)
 
 
@@ -304,12 +362,14 @@ def segment_max(data: Any, segment_ids: Any, num_segments: Size = None,
       >>> jaxcsr.segment_max(x, np.array([0, 1, 0, 1, 1, 3]), 4, return_arg=True)
       (Array([2., 5., 0., 6.], dtype=float32), Array([2, 4, 6, 5], dtype=int32))
     """
-    return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "max")
+    return _reduce(
+        data, segment_ids, num_segments, indices_are_sorted, mode, axis, return_arg, impl, "max"
+    )
 
 
-def segment_logsumexp(
-    logits: Any, segment_ids: Any, num_segments: Size = None, *, axis: int = 0, impl: Impl = None
-) -> jax.Array:
+def segment_logsumexp(logits: Any, segment_ids: Any, num_segments: Size = None,
+                      indices_are_sorted: bool = False, *, axis: int = 0,
+                      impl: Impl = None) -> jax.Array:  # fmt: skip
     """``log(sum(exp(x)))`` per segment, stable; empty segments are 0 (torch_scatter).
 
     A segment whose logits are all ``-inf`` gives ``-inf``.
@@ -321,7 +381,7 @@ def segment_logsumexp(
       [0.6931, 0.0, 3.0]
     """
     A, axis, _, _, total, peak, dtype = _softmax_parts(
-        logits, segment_ids, num_segments, axis, impl
+        logits, segment_ids, num_segments, indices_are_sorted, axis, impl
     )
     degrees = A.structure.degrees()
     nonempty = (degrees > 0).reshape((-1,) + (1,) * (total.ndim - 1))
@@ -343,7 +403,9 @@ def segment_min(data: Any, segment_ids: Any, num_segments: Size = None,
       >>> jaxcsr.segment_min(jnp.array([1.0, 3, 2, 4, 5, 6]), np.array([0, 1, 0, 1, 1, 3]), 4)
       Array([1., 3., 0., 6.], dtype=float32)
     """
-    return _reduce(data, segment_ids, num_segments, mode, axis, return_arg, impl, "min")
+    return _reduce(
+        data, segment_ids, num_segments, indices_are_sorted, mode, axis, return_arg, impl, "min"
+    )
 
 
 for _reduction in (segment_sum, segment_mean, segment_max, segment_min):

@@ -48,7 +48,7 @@ import numpy as np
 
 from jaxcsr.dtypes import accumulation_dtype
 from jaxcsr.matrix import CSRMatrix, matmul
-from jaxcsr.ops import STATIC_STRUCTURE_MESSAGE, Index
+from jaxcsr.ops import Index, map_over_batch
 from jaxcsr.validation import as_numeric
 
 __all__ = ["SAFE_TOTAL", "edge_softmax", "fast_path_safe", "max_safe_total", "rows_pattern"]
@@ -80,10 +80,11 @@ def rows_pattern(A: CSRMatrix) -> CSRMatrix:
 
     ``R @ v`` sums per-entry values ``v`` (``(nnz, F)``, CSR order) over each row of
     ``A``; ``R.T @ w`` broadcasts per-row values to the entries. Built on the device
-    from ``A``'s structure (no host work, valid under ``jit``); it runs on the XLA path.
+    from ``A``'s structure (no host work, valid under ``jit``), with the device plans
+    of ``A``'s backends, so the platform's kernel runs its row sums.
     """
-    # no kernel plan (the index is device data): the fallback backend runs it
-    return CSRMatrix(None, Index.planned(A.structure.entry_rows(), backends=()))
+    index = Index.planned_on_device(A.structure.entry_rows(), A.backends, required=False)
+    return CSRMatrix(None, index)
 
 
 def edge_softmax(A: CSRMatrix, scores: Any) -> jax.Array:
@@ -139,7 +140,7 @@ def softmax_over_rows(
     """
     scores = as_numeric(scores, name, floating=True)
     s = pattern.structure
-    if not (s.one_per_column and s.layout.full):
+    if not (s.one_per_column and s.nnz == s.shape[1]):
         raise ValueError("pattern must have exactly one stored entry per column")
     if scores.shape[0] != s.shape[1]:
         raise ValueError(f"{name} must have {s.shape[1]} rows, got shape {scores.shape}")
@@ -212,6 +213,9 @@ def _forward_unbatched(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array
         lambda: _elementwise(jnp.multiply, e, _broadcast(1 / total, pattern, impl)),
         lambda: _exact(x, pattern, impl),
     )
+    s = pattern.structure
+    if s.layout.padded:  # dropped entries (traced ids out of range) belong to no row: 0
+        out = jnp.where((s.row_of_col < s.shape[0])[:, None], out, 0)
     return out.astype(scores.dtype)
 
 
@@ -231,8 +235,15 @@ def _batchable_forward(impl):
     @forward.def_vmap
     def _rule(axis_size, in_batched, scores, pattern):
         scores_batched, pattern_batched = in_batched
-        if any(jax.tree_util.tree_leaves(pattern_batched)):
-            raise ValueError(STATIC_STRUCTURE_MESSAGE)
+        if any(jax.tree_util.tree_leaves(pattern_batched)):  # a pattern per element
+            leaves, tree = jax.tree_util.tree_flatten(pattern)
+            dims = [0 if b else None for b in jax.tree_util.tree_leaves(pattern_batched)]
+
+            def one(scores, *leaves):
+                return forward(scores, jax.tree_util.tree_unflatten(tree, leaves))
+
+            args = [scores, *leaves]
+            return map_over_batch(one, args, [0 if scores_batched else None, *dims]), True
         if not scores_batched:
             return forward(scores, pattern), False
         b, n, h = scores.shape

@@ -24,6 +24,12 @@ Two kinds (``layout.kind``):
 Array lengths depend only on ``(m, n, nnz)`` and the kind, so matrices of equal shape,
 nnz and kind share one compilation. Everything else (row ids, the transposed view's
 ``indptr``, per-column values) is derived on the device when a product needs it.
+
+A structure planned on the device from traced ids (:mod:`jaxcsr.device_plan`) is
+*padded* (``layout.padded``): ``nnz`` is then the length of the input, and entries
+whose ids were out of range (dropped, as ``jax.ops`` drops them) sit after the last
+row, from ``indptr[-1]`` on. They belong to no row: their row id is the view's row
+count, and for the ``"columns"`` kind their column is empty (``row_of_col == m``).
 """
 
 from __future__ import annotations
@@ -49,12 +55,15 @@ class Layout:
       kind: ``"columns"`` (at most one entry per column) or ``"general"``.
       sorted_ids: ``"columns"`` kind whose CSR column indices are ``0, ..., n - 1``
         (segment ids given sorted): ``indices`` is not stored and X streams in order.
+      padded: planned on the device: ``nnz`` is the arrays' length and the entries
+        from ``indptr[-1]`` on belong to no row (dropped ids).
     """
 
     shape: tuple[int, int]
     nnz: int
     kind: str
     sorted_ids: bool = False
+    padded: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -62,8 +71,9 @@ class Layout:
 
     @property
     def full(self) -> bool:
-        """``"columns"`` kind with exactly one entry in every column (``nnz == n``)."""
-        return self.kind == "columns" and self.nnz == self.shape[1]
+        """``"columns"`` kind with exactly one entry in every column (``nnz == n``), known
+        when planned (a padded layout may have dropped some)."""
+        return self.kind == "columns" and self.nnz == self.shape[1] and not self.padded
 
 
 def _iota(size: int, dtype) -> jax.Array:
@@ -162,7 +172,12 @@ class Structure:
             # A's rows are A.T's column indices, moved back to A's order.
             return jnp.zeros((nnz,), dtype).at[self.t_perm].set(self.t_indices, unique_indices=True)
         if self.transposed:
-            return _iota(nnz, dtype) if self.layout.full else self._nonempty_column_ids()
+            if self.layout.full:
+                return _iota(nnz, dtype)
+            if self.layout.padded:  # the dropped entries after the last row: sentinel
+                rows = self.layout.shape[1]
+                return jnp.where(self._stored(), self._nonempty_column_ids(), rows).astype(dtype)
+            return self._nonempty_column_ids()
         if self.layout.sorted_ids:
             return self.row_of_col
         return self.row_of_col[self.indices]
@@ -214,7 +229,11 @@ class Structure:
         assert self.one_per_row
         if self.layout.full:
             return per_row
-        return per_row[self._nonempty_column_ids()]
+        out = per_row[self._nonempty_column_ids()]
+        if self.layout.padded:
+            mask = self._stored().reshape((-1,) + (1,) * (per_row.ndim - 1))
+            out = jnp.where(mask, out, jnp.zeros((), out.dtype))
+        return out
 
     def entry_rows(self) -> Structure:
         """The ``"columns"`` structure of the one-valued ``(rows, nnz)`` matrix
@@ -222,7 +241,7 @@ class Structure:
         ids are sorted): ``R @ v`` sums per-entry values over each row. Derived on the
         device (valid under ``jit``)."""
         m = self.shape[0]
-        layout = Layout((m, self.nnz), self.nnz, "columns", sorted_ids=True)
+        layout = Layout((m, self.nnz), self.nnz, "columns", True, self.layout.padded)
         return Structure(self.view_indptr(), None, self.row_ids(), None, None, None, layout)
 
     # ------------------------------------------------------------- internals
@@ -235,15 +254,35 @@ class Structure:
         return self.row_of_col < self.layout.shape[0]
 
     def _nonempty_column_ids(self) -> jax.Array:
+        """``C.T``'s CSR order: the non-empty columns ascending (then, padded, the
+        columns of dropped entries ascending: every column is an entry there)."""
+        if self.layout.padded:
+            slot = self._column_slots()
+            ids = _iota(self.nnz, self.index_dtype)
+            return jnp.zeros_like(ids).at[slot].set(ids, unique_indices=True)
         (ids,) = jnp.nonzero(self._nonempty_columns(), size=self.nnz)
         return ids.astype(self.index_dtype)
+
+    def _column_slots(self) -> jax.Array:
+        """``"columns"`` kind: position of column ``j``'s entry in ``C.T``'s CSR order
+        (for empty columns of a padded layout: after the stored entries)."""
+        nonempty = self._nonempty_columns().astype(self.index_dtype)
+        rank = jnp.cumsum(nonempty) - 1
+        if not self.layout.padded:
+            return rank
+        stored = rank[-1] + 1 if self.nnz else 0
+        return jnp.where(nonempty > 0, rank, stored + jnp.cumsum(1 - nonempty) - 1)
+
+    def _stored(self) -> jax.Array:
+        """``(nnz,)`` bool: positions of the view's CSR order that hold an entry (all
+        but the dropped entries after the last row of a padded layout)."""
+        return _iota(self.nnz, self.index_dtype) < self.view_indptr()[-1]
 
     def _transposed_slot(self) -> jax.Array:
         """``"columns"`` kind: position in ``C.T``'s CSR order of ``C``'s entry ``k``."""
         if self.layout.full:
             return self.indices
-        rank = jnp.cumsum(self._nonempty_columns().astype(self.index_dtype)) - 1
-        return rank[self.indices]
+        return self._column_slots()[self._planned_indices()]
 
     def arrays(self) -> dict[str, Any]:
         """The stored leaves by name (``None`` omitted)."""

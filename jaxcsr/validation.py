@@ -26,6 +26,7 @@ __all__ = [
     "check_segment_ids",
     "check_shape",
     "check_size",
+    "check_traced_ids",
     "is_traced",
     "reject_traced",
 ]
@@ -34,11 +35,10 @@ INT32_SIZE_LIMIT = 2**31 - 1
 """Sizes (rows, columns, stored entries) from here on need int64 indices."""
 
 STATIC_IDS_ADVICE = (
-    "a CSRMatrix structure is planned on the host and must be built outside "
-    "jax.jit/vmap/grad. Either build the matrix once outside the traced function and "
-    "pass it in as an argument (it is a pytree), or close over a numpy array of ids (it "
-    "stays concrete inside jit). Ids that change at every step are not static: use "
-    "jax.ops.segment_sum for those."
+    "this constructor plans on the host and needs concrete arrays. Build the matrix "
+    "outside jax.jit and pass it in as an argument (it is a pytree), or use a "
+    "constructor that plans traced ids on the device: CSRMatrix.from_indices, "
+    "CSRMatrix.from_coo and every jaxcsr.segment_* function accept traced ids."
 )
 """What to do instead of passing traced ids (the advice of :func:`as_host_int_array`)."""
 
@@ -60,6 +60,12 @@ def check_size(value: Any, name: str) -> int:
     """Validates a size argument: a non-negative int (bools rejected), named in errors."""
     if isinstance(value, bool | np.bool_):
         raise TypeError(f"{name} must be an int, got the bool {value!r}")
+    if is_traced(value):
+        raise TypeError(
+            f"{name} is a traced JAX value; it sets an array shape, so it must be a "
+            "Python int known at trace time (pass it as a static argument, or read it "
+            "from a shape)"
+        )
     try:
         size = operator.index(value)
     except TypeError as err:
@@ -131,6 +137,18 @@ def as_host_int_array(value: Any, name: str, advice: str = STATIC_IDS_ADVICE) ->
     if arr.dtype == np.bool_ or not np.issubdtype(arr.dtype, np.integer):
         raise TypeError(f"{name} must have an integer dtype, got {arr.dtype}")
     return arr
+
+
+def check_traced_ids(value: Any, name: str) -> jax.Array:
+    """Validates traced index ids at trace time (their values are not known): an
+    integer dtype (``TypeError``) and rank 1 (``ValueError``). Returns the array."""
+    dtype = np.dtype(value.dtype)
+    if dtype == np.bool_ or not np.issubdtype(dtype, np.integer):
+        raise TypeError(f"{name} must have an integer dtype, got {dtype}")
+    if value.ndim != 1:
+        raise ValueError(f"{name} must be 1-D, got shape {value.shape}")
+    check_index_range(value.shape[0], f"len({name})")
+    return value
 
 
 def check_range(arr: np.ndarray, bound: int, name: str, bound_name: str) -> None:

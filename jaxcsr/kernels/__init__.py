@@ -81,6 +81,10 @@ class Backend:
       sddmm: ``(ct, x, view, *, out_dtype) -> (nnz,)``, the sampled product (the
         fallback's is used for every backend; ``None``: none of its own).
       arg_search: an :class:`ArgSearch` (the fallback's is used for every backend).
+      device_plan: ``Structure (device leaves, may be traced) -> plan pytree``, the
+        twin of ``plan`` in ``jnp``/``lax``, for matrices planned inside a trace
+        (traced ids); equal to ``plan``'s result element for element. ``None``: the
+        backend cannot be planned there and such matrices run on the fallback.
     """
 
     name: str
@@ -93,6 +97,7 @@ class Backend:
     available: Callable[[], bool] = lambda: True
     sddmm: Callable[..., jax.Array] | None = None
     arg_search: ArgSearch | None = None
+    device_plan: Callable[[Structure], Any] | None = None
 
     def require_available(self) -> None:
         """Raises a ``RuntimeError`` naming the jax version if this jax cannot run it."""
@@ -185,6 +190,7 @@ register(
         xla.covers,
         sddmm=xla.sddmm,
         arg_search=ArgSearch(xla.extreme_positions, xla.extreme_columns, xla.extreme_column_mask),
+        device_plan=xla.plan,
     )
 )
 register(
@@ -197,10 +203,20 @@ register(
         gpu.describe,
         gpu.covers,
         gpu.available,
+        device_plan=gpu.plan_on_device,
     )
 )
 register(
-    Backend("pallas_tpu", "tpu", KERNEL_DTYPES, tpu.plan, tpu.product, tpu.describe, tpu.covers)
+    Backend(
+        "pallas_tpu",
+        "tpu",
+        KERNEL_DTYPES,
+        tpu.plan,
+        tpu.product,
+        tpu.describe,
+        tpu.covers,
+        device_plan=tpu.plan_on_device,
+    )
 )
 
 

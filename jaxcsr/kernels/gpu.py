@@ -34,6 +34,7 @@ The tile table (:data:`TILE_TABLE`) was chosen from the Hopper machine-code chec
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import functools
 from typing import Any
 
@@ -65,6 +66,8 @@ __all__ = [
     "lane_stats",
     "plan",
     "plan_lanes",
+    "plan_lanes_on_device",
+    "plan_on_device",
     "product",
     "spmm",
     "tile_config",
@@ -198,13 +201,30 @@ def lane_capacities(num_rows: int, nnz: int) -> tuple[int, int, int]:
     return chunks + (-chunks) % GROUP, groups + (-groups) % GROUP, long_rows
 
 
+def _issued(lengths: np.ndarray) -> int:
+    """Lane slots issued when lanes go ``GROUP`` at a time in this order (each group
+    as long as its longest lane)."""
+    pad = (-lengths.size) % GROUP
+    groups = np.concatenate([lengths, np.zeros(pad, lengths.dtype)]).reshape(-1, GROUP)
+    return int(groups.max(axis=1, initial=0).sum()) * GROUP
+
+
 def _utilisation(lengths: np.ndarray) -> float:
     """Useful / issued lane slots when lanes go ``GROUP`` at a time in this order."""
     if lengths.size == 0 or lengths.sum() == 0:
         return 1.0
-    pad = (-lengths.size) % GROUP
-    groups = np.concatenate([lengths, np.zeros(pad, lengths.dtype)]).reshape(-1, GROUP)
-    return float(lengths.sum() / (groups.max(axis=1).sum() * GROUP))
+    return float(lengths.sum() / _issued(lengths))
+
+
+_MIN_UTILISATION = fractions.Fraction(str(CSR_ORDER_MIN_UTILISATION))
+
+
+def _csr_order_by_lanes(issued_csr, issued_sorted):
+    """Without column reuse (segment matrices): CSR order wins when its issued slots
+    are at most ``1 / CSR_ORDER_MIN_UTILISATION`` times the sorted order's, decided in
+    integers so that the host and the device plan choose alike."""
+    num, den = _MIN_UTILISATION.numerator, _MIN_UTILISATION.denominator
+    return den * issued_sorted >= num * issued_csr
 
 
 REUSE_SAMPLE = 1 << 20
@@ -278,7 +298,10 @@ def _short_row_order(indptr, indices, short_rows) -> tuple[np.ndarray, tuple]:
     util_sorted = _utilisation(lengths[order])
     distinct_csr = _distinct_fraction(short_rows, indptr, indices)
     distinct_sorted = _distinct_fraction(by_length, indptr, indices)
-    csr = util_csr / distinct_csr >= CSR_ORDER_MIN_UTILISATION * util_sorted / distinct_sorted
+    if indices is None:
+        csr = _csr_order_by_lanes(_issued(lengths), _issued(lengths[order]))
+    else:
+        csr = util_csr / distinct_csr >= CSR_ORDER_MIN_UTILISATION * util_sorted / distinct_sorted
     numbers = (bool(csr), util_csr, util_sorted, distinct_csr, distinct_sorted)
     return (short_rows if csr else by_length), numbers
 
@@ -380,6 +403,92 @@ def plan(structure: Structure) -> GpuPlan:
     if t_indptr is None:  # "columns": one entry per column, so no column is reused
         return GpuPlan(plan_lanes(indptr), None)
     return GpuPlan(plan_lanes(indptr, structure.indices), plan_lanes(t_indptr, structure.t_indices))
+
+
+def _split_on_device(counts, starts, ends, slots: int, size: int, dtype):
+    """Device :func:`_split`: ranges ``starts[i]:ends[i]`` cut into ``counts[i]`` pieces
+    of at most ``size``, laid out range after range in ``slots`` places; places past
+    the last piece are ``(0, 0)``, as the host pads them."""
+    owner_end = jnp.cumsum(counts, dtype=dtype)
+    piece = jnp.arange(slots, dtype=dtype)
+    owner = jnp.searchsorted(owner_end, piece, side="right")
+    real = owner < counts.shape[0]
+    owner = jnp.minimum(owner, counts.shape[0] - 1)
+    start = starts[owner] + (piece - (owner_end - counts)[owner]) * size
+    end = jnp.minimum(start + size, ends[owner])
+    zero = jnp.zeros((), dtype)
+    return jnp.where(real, start, zero), jnp.where(real, end, zero)
+
+
+def _issued_on_device(lengths: jax.Array) -> jax.Array:
+    """Device :func:`_issued` of lane lengths (zeros past the real lanes add nothing)."""
+    pad = (-lengths.shape[0]) % GROUP
+    groups = jnp.pad(lengths, (0, pad)).reshape(-1, GROUP)
+    return jnp.sum(jnp.max(groups, axis=1)) * GROUP
+
+
+def plan_lanes_on_device(indptr: jax.Array, nnz: int) -> Lanes:
+    """:func:`plan_lanes` in ``jnp`` (valid under a trace), for a structure of ``nnz``
+    stored entries (static: the capacities depend on it) planned on the device. It
+    equals the host plan without the column-reuse estimate (``indices=None``, exact
+    for segment matrices, whose columns are used once): estimating reuse costs two
+    sorts per call."""
+    dtype = indptr.dtype
+    m = indptr.shape[0] - 1
+    num_chunks, num_groups, _ = lane_capacities(m, nnz)
+    if m == 0:
+        return plan_lanes(np.zeros(1, dtype))
+    lengths = jnp.diff(indptr)
+    is_long = lengths > CHUNK
+    num_short = jnp.sum(~is_long).astype(dtype)
+
+    # Pass 1: chunks of long rows, row by row.
+    pieces = jnp.where(is_long, -(-lengths // CHUNK), 0).astype(dtype)
+    chunk_start, chunk_end = _split_on_device(
+        pieces, indptr[:-1], indptr[1:], num_chunks, CHUNK, dtype
+    )
+    # Pass 1b: groups of partials, stored after the chunk slots.
+    partial_end = jnp.cumsum(pieces, dtype=dtype)
+    partial_start = partial_end - pieces
+    many = pieces > CHUNK
+    groups = jnp.where(many, -(-pieces // CHUNK), 0).astype(dtype)
+    group_start, group_end = _split_on_device(
+        groups, partial_start, partial_end, num_groups, CHUNK, dtype
+    )
+    group_slot_end = num_chunks + jnp.cumsum(groups, dtype=dtype)
+    long_start = jnp.where(many, group_slot_end - groups, partial_start)
+    long_end = jnp.where(many, group_slot_end, partial_end)
+
+    # Pass 2: short rows in CSR order or by length (stable), then long rows.
+    row_ids = jnp.arange(m, dtype=dtype)
+    by_csr = jnp.argsort(is_long, stable=True).astype(dtype)
+    by_length = jnp.argsort(jnp.where(is_long, CHUNK + 1, lengths), stable=True).astype(dtype)
+    short_lengths = jnp.where(is_long, 0, lengths)
+    csr = _csr_order_by_lanes(
+        _issued_on_device(short_lengths[by_csr]), _issued_on_device(short_lengths[by_length])
+    )
+    row = jnp.where(csr, by_csr, by_length)
+    short = row_ids < num_short
+    start = jnp.where(short, indptr[:-1][row], long_start[row])
+    end = jnp.where(short, indptr[1:][row], long_end[row])
+    return Lanes(
+        row=row,
+        start=start,
+        end=end,
+        num_short=num_short[None],
+        chunk_start=chunk_start,
+        chunk_end=chunk_end,
+        group_start=group_start,
+        group_end=group_end,
+    )
+
+
+def plan_on_device(structure: Structure) -> GpuPlan:
+    """:func:`plan` for a structure planned on the device (traced ids)."""
+    indptr, t_indptr = structure.kernel_indptrs()
+    nnz = structure.nnz
+    t_lanes = None if t_indptr is None else plan_lanes_on_device(t_indptr, nnz)
+    return GpuPlan(plan_lanes_on_device(indptr, nnz), t_lanes)
 
 
 def covers(view: Structure) -> bool:

@@ -131,6 +131,32 @@ def plan_tile_schedule(indptr: np.ndarray, block_m: int = 0, block_k: int = 0) -
     return TileSchedule(*padded, block_m, block_k)
 
 
+def plan_tile_schedule_on_device(
+    indptr: jax.Array, nnz: int, block_m: int = 0, block_k: int = 0
+) -> TileSchedule:
+    """:func:`plan_tile_schedule` in ``jnp`` (valid under a trace), for a structure of
+    ``nnz`` entries (static: the capacity depends on it); equal to the host's."""
+    block_m, block_k = block_m or BLOCK_M, block_k or BLOCK_K
+    m = indptr.shape[0] - 1
+    num_out = max(1, -(-m // block_m))
+    bounds = np.minimum(np.arange(num_out + 1) * block_m, m)
+    start, end = indptr[bounds[:-1]].astype(jnp.int32), indptr[bounds[1:]].astype(jnp.int32)
+    k0 = start // block_k
+    k1 = jnp.where(end > start, -(-end // block_k), k0 + 1)
+    counts = k1 - k0
+    steps_end = jnp.cumsum(counts)
+    capacity = schedule_capacity(m, nnz, block_m, block_k)
+    step = jnp.arange(capacity, dtype=jnp.int32)
+    steps = steps_end[-1]
+    last = jnp.minimum(step, steps - 1)  # padding steps repeat the last real step
+    out_tile = jnp.searchsorted(steps_end, last, side="right").astype(jnp.int32)
+    first_pos = steps_end - counts
+    nnz_tile = k0[out_tile] + last - first_pos[out_tile]
+    nnz_tile = jnp.minimum(nnz_tile, max(0, -(-nnz // block_k) - 1))
+    first = jnp.where(step < steps, jnp.where(step == first_pos[out_tile], FIRST, NEXT), PAD)
+    return TileSchedule(out_tile, nnz_tile, first.astype(jnp.int32), block_m, block_k)
+
+
 @dataclasses.dataclass(frozen=True)
 class TpuPlan:
     """What the Mosaic kernel reads beyond the portable core.
@@ -153,6 +179,14 @@ def plan(structure: Structure) -> TpuPlan:
     indptr, t_indptr = structure.kernel_indptrs()
     t_tiles = None if t_indptr is None else plan_tile_schedule(t_indptr)
     return TpuPlan(plan_tile_schedule(indptr), t_tiles)
+
+
+def plan_on_device(structure: Structure) -> TpuPlan:
+    """:func:`plan` for a structure planned on the device (traced ids)."""
+    indptr, t_indptr = structure.kernel_indptrs()
+    nnz = structure.nnz
+    t_tiles = None if t_indptr is None else plan_tile_schedule_on_device(t_indptr, nnz)
+    return TpuPlan(plan_tile_schedule_on_device(indptr, nnz), t_tiles)
 
 
 # --------------------------------------------------------------------- kernel

@@ -233,14 +233,20 @@ def sddmm(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> ja
         m = structure.shape[0]
         rows = jnp.minimum(structure.row_of_col, m - 1)
         per_column = jnp.sum(ct[rows].astype(acc) * x.astype(acc), axis=1)
+        if structure.layout.padded:  # dropped entries: no row, no gradient
+            per_column = jnp.where(structure.row_of_col < m, per_column, 0)
         per_entry = per_column if structure.sorted_ids else per_column[structure.indices]
         return per_entry.astype(out_dtype)
     if structure.one_per_row:  # per row i: ct[i] . x[col_of_row[i]]
         cols = jnp.minimum(structure.row_of_col, x.shape[0] - 1)
         per_row = jnp.sum(ct.astype(acc) * x[cols].astype(acc), axis=1)
         return structure.compact_rows(per_row).astype(out_dtype)
-    prod = ct[structure.row_ids()].astype(acc) * x[structure.view_indices()].astype(acc)
-    return jnp.sum(prod, axis=1).astype(out_dtype)
+    rows = structure.row_ids()
+    prod = ct[rows].astype(acc) * x[structure.view_indices()].astype(acc)
+    out = jnp.sum(prod, axis=1)
+    if structure.layout.padded:  # dropped entries: no row, no gradient
+        out = jnp.where(rows < structure.shape[0], out, 0)
+    return out.astype(out_dtype)
 
 
 # ------------------------------------------------------------ max / min reduce

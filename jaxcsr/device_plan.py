@@ -1,0 +1,102 @@
+"""Device-side planning: the :class:`~jaxcsr.structure.Structure` of traced ids.
+
+The device twin of :mod:`jaxcsr.plan`, for index arrays that change at every step
+(per-batch graphs: jraph's ``receivers``, a padded molecule batch, a neighbour list).
+Everything here is ``jnp``/``lax`` and runs inside ``jit``, ``grad``, ``scan`` and
+``vmap``; array lengths depend only on the static sizes and the input length, so
+padded batches of one size compile once.
+
+The results equal the host planner's element for element on in-range input (same
+stable orders, same row pointers), with one difference: the layout is *padded*
+(:attr:`~jaxcsr.structure.Layout.padded`). Ids outside the shape are dropped, as
+``jax.ops`` drops them: their entries are placed after the last row and belong to no
+row. A structure whose kind depends on the data (at most one entry per column, per
+row) cannot be known at trace time, so coordinates always plan the ``"general"`` kind.
+
+What is built is what a product may read; arrays that the running strategy does not
+read (the sort, when XLA's scatter runs on a segment form) are removed by XLA as dead
+code, so a product that needs no sort pays for none.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from jaxcsr.plan import index_dtype_for
+from jaxcsr.structure import Layout, Structure
+
+__all__ = ["coo_structure", "row_pointer", "segment_structure"]
+
+
+def row_pointer(keys: jax.Array, num_rows: int, dtype) -> jax.Array:
+    """``(num_rows + 1,)`` row pointer from per-entry rows ``keys`` (``num_rows`` =
+    dropped): the cumulative counts, a scatter-add that needs no sort."""
+    counts = jnp.zeros((num_rows,), dtype).at[keys].add(1, mode="drop")
+    return jnp.concatenate([jnp.zeros((1,), dtype), jnp.cumsum(counts, dtype=dtype)])
+
+
+def _dropped_to(ids: jax.Array, bound: int, dtype) -> jax.Array:
+    """``ids`` with every id outside ``[0, bound)`` replaced by ``bound``."""
+    ids = ids.astype(dtype)
+    return jnp.where((ids >= 0) & (ids < bound), ids, jnp.asarray(bound, dtype))
+
+
+def segment_structure(ids: jax.Array, num_rows: int, *, sorted_ids: bool = False) -> Structure:
+    """The padded ``"columns"`` structure of ``A[ids[j], j] = 1`` for traced ``ids``.
+
+    Args:
+      ids: ``(K,)`` integer segment ids (traced or not); ids outside
+        ``[0, num_rows)`` are dropped.
+      num_rows: static number of rows ``M``.
+      sorted_ids: the caller promises ``ids`` is non-decreasing with every dropped
+        id at the end (``>= num_rows``): the sort is skipped and ``indices`` is not
+        stored. A broken promise gives unspecified results, as in ``jax.ops``.
+
+    Returns:
+      The structure of shape ``(M, K)``: ``row_of_col`` is ``ids`` (``M`` where
+      dropped), ``indptr`` the counts' cumulative sum, ``indices`` the stable argsort.
+    """
+    (size,) = ids.shape
+    dtype = index_dtype_for(size, num_rows)
+    keys = _dropped_to(ids, num_rows, dtype)
+    indptr = row_pointer(keys, num_rows, dtype)
+    indices = None if sorted_ids else jnp.argsort(keys, stable=True).astype(dtype)
+    layout = Layout((num_rows, size), size, "columns", sorted_ids, padded=True)
+    return Structure(indptr, indices, keys, None, None, None, layout)
+
+
+def coo_structure(
+    row: jax.Array, col: jax.Array, shape: tuple[int, int]
+) -> tuple[Structure, jax.Array]:
+    """The padded ``"general"`` structure of traced coordinates, and its input order.
+
+    Entries are sorted by row, then column (stable: duplicates keep their input
+    order), as :func:`jaxcsr.plan.coo_to_csr` sorts them; the transpose is planned
+    as :func:`jaxcsr.plan.transpose_csr` plans it. A coordinate outside ``shape``
+    drops its entry (row ``m``, column ``n``, after the last row of both views).
+
+    Returns:
+      ``(structure, order)`` with ``order[k]`` the input position of CSR entry ``k``.
+    """
+    m, n = shape
+    (size,) = row.shape
+    dtype = index_dtype_for(size, m, n)
+    valid = (row >= 0) & (row < m) & (col >= 0) & (col < n)
+    rows = jnp.where(valid, row, m).astype(dtype)
+    cols = jnp.where(valid, col, n).astype(dtype)
+    rows, indices, order = jax.lax.sort(
+        (rows, cols, jnp.arange(size, dtype=dtype)), num_keys=2, is_stable=True
+    )
+    t_perm = jnp.argsort(indices, stable=True).astype(dtype)
+    layout = Layout(shape, size, "general", padded=True)
+    structure = Structure(
+        row_pointer(rows, m, dtype),
+        indices,
+        None,
+        row_pointer(indices, n, dtype),
+        rows[t_perm],
+        t_perm,
+        layout,
+    )
+    return structure, order
