@@ -1,0 +1,352 @@
+"""Traced ids: structures and backend plans built on the device, inside jit/grad/vmap/scan.
+
+The device planner must produce the host planner's arrays element for element; traced
+products must equal the float64 reference with jax.ops' semantics (out-of-range ids
+dropped); padded batches of one size must compile once whatever their structure.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from reference import (
+    ALL,
+    assert_close,
+    check_product_grads,
+    power_law_ids,
+    random_values,
+    segment_reference,
+)
+
+import jaxcsr
+from jaxcsr import CSRMatrix, device_plan, plan
+from jaxcsr.kernels import gpu, tpu
+
+LANE_FIELDS = ("row", "start", "end", "num_short", "chunk_start", "chunk_end")
+LANE_FIELDS += ("group_start", "group_end")
+
+
+def _assert_same_arrays(host, device, fields) -> None:
+    for name in fields:
+        a, b = np.asarray(getattr(host, name)), np.asarray(getattr(device, name))
+        assert a.dtype == b.dtype, (name, a.dtype, b.dtype)
+        np.testing.assert_array_equal(a, b, err_msg=name)
+
+
+def _assert_same_kernel_plans(host, device) -> None:
+    """GPU lanes and TPU tile schedules of both views, element for element."""
+    hg, dg = gpu.plan_lanes(np.asarray(host.indptr)), gpu.plan_on_device(device).lanes
+    _assert_same_arrays(hg, dg, LANE_FIELDS)
+    ht, dt = tpu.plan(host), tpu.plan_on_device(device)
+    _assert_same_arrays(ht.tiles, dt.tiles, ("out_tile", "nnz_tile", "first"))
+    if host.t_indptr is not None:
+        _assert_same_arrays(
+            gpu.plan_lanes(host.t_indptr), gpu.plan_on_device(device).t_lanes, LANE_FIELDS
+        )
+        _assert_same_arrays(ht.t_tiles, dt.t_tiles, ("out_tile", "nnz_tile", "first"))
+
+
+@st.composite
+def segment_ids(draw):
+    """Ids with empty rows, a hub row holding most entries, duplicates, or none."""
+    m = draw(st.integers(0, 40))
+    if m == 0:
+        return np.zeros(0, np.int32), 0
+    size = draw(st.integers(0, 300))
+    shape = draw(st.sampled_from(["uniform", "hub", "few_rows"]))
+    seed = draw(st.integers(0, 2**31 - 1))
+    rng = np.random.default_rng(seed)
+    if shape == "hub":  # 90 % of the entries in one row: long rows, chunks and groups
+        ids = np.where(rng.random(size) < 0.9, rng.integers(0, m), rng.integers(0, m, size))
+        size = int(draw(st.sampled_from([size, 5000])))
+        ids = np.resize(ids, size) if ids.size else np.full(size, m - 1)
+    elif shape == "few_rows":  # most rows empty
+        ids = rng.choice(rng.choice(m, size=max(1, m // 4)), size=size)
+    else:
+        ids = rng.integers(0, m, size)
+    return ids.astype(np.int32), m
+
+
+@settings(max_examples=12, deadline=None)
+@given(segment_ids())
+def test_device_plan_of_segment_ids_equals_the_host_plan(case):
+    ids, m = case
+    host = plan.structure_from_segment_ids(ids, m)
+    device = device_plan.segment_structure(jnp.asarray(ids), m)
+    _assert_same_arrays(host, device, ("indptr", "row_of_col"))
+    # host stores no indices for sorted ids (0, 1, ..., K - 1): the same order
+    host_order = np.arange(ids.size) if host.indices is None else host.indices
+    np.testing.assert_array_equal(host_order, device.indices)
+    assert device.layout.padded and device.layout.shape == host.layout.shape
+    _assert_same_kernel_plans(host, device)
+
+
+@settings(max_examples=8, deadline=None)
+@given(segment_ids(), st.integers(1, 30), st.integers(0, 2**31 - 1))
+def test_device_plan_of_coordinates_equals_the_host_plan(case, n, seed):
+    rows, m = case
+    cols = np.random.default_rng(seed).integers(0, n, rows.size).astype(np.int32)
+    indptr, indices, order = plan.coo_to_csr(rows, cols, (m, n))
+    host = plan.general_structure(indptr, indices, (m, n))
+    device, device_order = device_plan.coo_structure(jnp.asarray(rows), jnp.asarray(cols), (m, n))
+    _assert_same_arrays(host, device, ("indptr", "indices", "t_indptr", "t_indices", "t_perm"))
+    np.testing.assert_array_equal(order, device_order)
+    _assert_same_kernel_plans(host, device)
+
+
+def test_device_planners_run_under_jit(rng):
+    ids = power_law_ids(rng, 2000, 50).astype(np.int32)
+    host = plan.structure_from_segment_ids(ids, 50)
+    structure = jax.jit(lambda i: device_plan.segment_structure(i, 50))(ids)
+    np.testing.assert_array_equal(host.indices, structure.indices)
+    lanes = jax.jit(gpu.plan_on_device)(structure).lanes
+    _assert_same_arrays(gpu.plan_lanes(host.indptr), lanes, LANE_FIELDS)
+    tiles = jax.jit(tpu.plan_on_device)(structure).tiles
+    _assert_same_arrays(tpu.plan(host).tiles, tiles, ("out_tile", "nnz_tile", "first"))
+
+
+REDUCES = ("sum", "mean", "max", "min")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_traced_ids_equal_static_ids_and_the_reference(rng, dtype):
+    m, size = 37, 501  # not tile multiples; power-law rows with empty ones
+    ids = power_law_ids(rng, size, m).astype(np.int32)
+    x = jnp.asarray(random_values(rng, (size, 3)), dtype)
+    for reduce in REDUCES:
+        fn = getattr(jaxcsr, f"segment_{reduce}")
+        traced = jax.jit(lambda x, ids, fn=fn: fn(x, ids, m))(x, ids)
+        static = fn(x, ids, m)
+        assert_close(traced, segment_reference(np.asarray(x, np.float32), ids, m, reduce), dtype)
+        assert_close(traced, static, dtype)
+    for reduce in ("max", "min"):
+        fn = getattr(jaxcsr, f"segment_{reduce}")
+        out, arg = jax.jit(lambda x, ids, fn=fn: fn(x, ids, m, return_arg=True))(x, ids)
+        static_out, static_arg = fn(x, ids, m, return_arg=True)
+        np.testing.assert_array_equal(arg, static_arg)
+        np.testing.assert_array_equal(out, static_out)
+
+
+def test_out_of_range_ids_are_dropped_as_jax_ops_drops_them(rng):
+    m, size = 9, 200
+    ids = rng.integers(-3, m + 3, size).astype(np.int32)
+    kept = (ids >= 0) & (ids < m)
+    assert 0 < kept.sum() < size
+    x = jnp.asarray(random_values(rng, (size, 4)), jnp.float32)
+    x64 = np.asarray(x, np.float64)
+    for reduce in REDUCES:
+        out = jax.jit(lambda x, i, r=reduce: getattr(jaxcsr, f"segment_{r}")(x, i, m))(x, ids)
+        assert_close(out, segment_reference(x64[kept], ids[kept], m, reduce), np.float32)
+    out = jax.jit(lambda x, i: jaxcsr.segment_sum(x, i, m))(x, ids)
+    assert_close(out, jax.ops.segment_sum(x, ids, m), np.float32)
+    # no gradient reaches a dropped entry; the kept ones get their segment's cotangent
+    ct = random_values(rng, (m, 4))
+    grad = jax.jit(jax.grad(lambda x, i: jnp.sum(jaxcsr.segment_sum(x, i, m) * ct)))(x, ids)
+    expected = np.where(kept[:, None], ct[np.clip(ids, 0, m - 1)], 0.0)
+    assert_close(grad, expected, np.float32)
+    # softmax: a dropped entry has probability 0 (log: -inf); the rest as without it
+    logits = jnp.asarray(random_values(rng, size), jnp.float32)
+    p = jax.jit(lambda s, i: jaxcsr.segment_softmax(s, i, m))(logits, ids)
+    logp = jax.jit(lambda s, i: jaxcsr.segment_log_softmax(s, i, m))(logits, ids)
+    expected = np.zeros(size)
+    expected[kept] = jaxcsr.segment_softmax(logits[kept], ids[kept], m)
+    assert_close(p, expected, np.float32)
+    assert np.all(np.isneginf(np.asarray(logp)[~kept]))
+    assert_close(np.asarray(logp)[kept], np.log(expected[kept]), np.float32)
+    # mode="clip" clips instead
+    clipped = jax.jit(lambda x, i: jaxcsr.segment_sum(x, i, m, mode="clip"))(x, ids)
+    assert_close(clipped, segment_reference(x64, np.clip(ids, 0, m - 1), m), np.float32)
+
+
+def _sorts(fn, *args) -> bool:
+    """Whether the compiled program runs a sort (an HLO ``sort`` instruction)."""
+    return " sort(" in fn.lower(*args).compile().as_text()
+
+
+def test_sorted_promise_skips_the_sort_and_narrow_scatters_never_sort(rng):
+    m, size = 40, 3000
+    ids = np.sort(rng.integers(0, m, size)).astype(np.int32)
+    ids[-25:] = m + 2  # padding edges after the last segment, as a padded batch has
+    x = jnp.asarray(random_values(rng, (size, 16)), jnp.float32)
+    expected = segment_reference(np.asarray(x)[: size - 25], ids[: size - 25], m)
+
+    def sorted_sum(x, ids):
+        return jaxcsr.segment_sum(x, ids, m, indices_are_sorted=True)
+
+    assert_close(jax.jit(sorted_sum)(x, ids), expected, np.float32)
+    assert not _sorts(jax.jit(sorted_sum), x, ids)
+    narrow = jax.jit(lambda x, ids: jaxcsr.segment_sum(x, ids, m))
+    x1 = x[:, :2]
+    assert not _sorts(narrow, x1, ids)
+    assert_close(narrow(x1, ids), segment_reference(np.asarray(x1)[:-25], ids[:-25], m), np.float32)
+
+
+def test_gradients_match_finite_differences(rng):
+    m, size = 7, 60
+    ids = rng.integers(-1, m, size).astype(np.int32)
+    x = jnp.asarray(random_values(rng, (size, 2)), jnp.float32)
+    w = jnp.asarray(random_values(rng, size), jnp.float32)
+
+    @jax.jit
+    def weighted_sum(x, w, ids):
+        return CSRMatrix.from_indices(ids, m, w) @ x
+
+    check_product_grads(lambda x, w: weighted_sum(x, w, ids), (x, w))
+    check_product_grads(lambda x: jax.jit(jaxcsr.segment_max, static_argnums=2)(x, ids, m), (x,))
+    rows, cols = rng.integers(0, m, size), rng.integers(0, 5, size)
+    y = jnp.asarray(random_values(rng, (5, 3)), jnp.float32)
+
+    @jax.jit
+    def coo_product(w, y, rows, cols):
+        return CSRMatrix.from_coo(rows, cols, w, shape=(m, 5)) @ y
+
+    check_product_grads(lambda w, y: coo_product(w, y, rows, cols), (w, y))
+    softmax = jax.jit(jaxcsr.segment_softmax, static_argnums=2)
+    check_product_grads(lambda s: softmax(s, ids, m), (w,))
+
+
+def _batch_of_ids(rng, batch, size, m) -> np.ndarray:
+    """Id arrays of one length with different degree distributions."""
+    shapes = [
+        lambda: rng.integers(0, m, size),
+        lambda: power_law_ids(rng, size, m),
+        lambda: np.where(rng.random(size) < 0.8, 0, rng.integers(0, m, size)),
+        lambda: np.sort(rng.integers(0, m // 2, size)),
+    ]
+    return np.stack([shapes[i % len(shapes)]() for i in range(batch)]).astype(np.int32)
+
+
+def test_vmap_over_a_batch_of_id_arrays(rng):
+    m, size, batch = 11, 90, 4
+    ids = _batch_of_ids(rng, batch, size, m)
+    x = jnp.asarray(random_values(rng, (batch, size, 3)), jnp.float32)
+    out = jax.jit(jax.vmap(lambda x, i: jaxcsr.segment_sum(x, i, m)))(x, ids)
+    for b in range(batch):
+        assert_close(out[b], segment_reference(np.asarray(x[b]), ids[b], m), np.float32)
+    ct = random_values(rng, (batch, m, 3))
+
+    def loss(x):
+        return jnp.sum(jax.vmap(lambda x, i: jaxcsr.segment_max(x, i, m))(x, ids) * ct)
+
+    reference = jax.grad(
+        lambda x: jnp.sum(jax.vmap(lambda x, i: jax.ops.segment_max(x, i, m))(x, ids) * ct)
+    )
+    assert_close(jax.jit(jax.grad(loss))(x), reference(x), np.float32)
+    logits = x[..., 0]
+    p = jax.jit(jax.vmap(lambda s, i: jaxcsr.segment_softmax(s, i, m)))(logits, ids)
+    for b in range(batch):
+        assert_close(p[b], jaxcsr.segment_softmax(logits[b], ids[b], m), np.float32)
+    # the same ids for every element of a batch of values: one structure, no map
+    shared = jax.jit(jax.vmap(lambda x: jaxcsr.segment_sum(x, ids[0], m)))(x)
+    assert_close(shared[1], segment_reference(np.asarray(x[1]), ids[0], m), np.float32)
+
+
+def test_scan_over_batches(rng):
+    m, size = 13, 70
+    ids = _batch_of_ids(rng, 6, size, m)
+    x = jnp.asarray(random_values(rng, (6, size, 2)), jnp.float32)
+
+    def step(total, batch):
+        x, ids = batch
+        return total + jaxcsr.segment_mean(x, ids, m), None
+
+    total, _ = jax.jit(lambda x, ids: jax.lax.scan(step, jnp.zeros((m, 2)), (x, ids)))(x, ids)
+    expected = sum(segment_reference(np.asarray(x[b]), ids[b], m, "mean") for b in range(6))
+    assert_close(total, expected, np.float32)
+
+
+def test_one_trace_for_20_batches_of_one_padded_size(rng):
+    m, size = 31, 400
+    traces = []
+
+    @jax.jit
+    def step(x, receivers, senders):
+        traces.append(1)
+        msg = x[senders]
+        total = jaxcsr.segment_sum(msg, receivers, m)
+        return total, jaxcsr.segment_softmax(msg[:, 0], receivers, m)
+
+    receivers = _batch_of_ids(rng, 20, size, m)
+    for b in range(20):
+        senders = rng.integers(0, m, size).astype(np.int32)
+        x = jnp.asarray(random_values(rng, (m, 5)), jnp.float32)
+        total, p = step(x, receivers[b], senders)
+        msg = np.asarray(x, np.float64)[senders]
+        assert_close(total, segment_reference(msg, receivers[b], m), np.float32)
+        assert_close(p, jaxcsr.segment_softmax(x[senders][:, 0], receivers[b], m), np.float32)
+    assert len(traces) == 1
+
+
+@pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
+def test_kernels_run_their_device_plans(rng, impl):
+    m, size = 19, 150
+    ids = rng.integers(-1, m + 1, size).astype(np.int32)
+    kept = (ids >= 0) & (ids < m)
+    x = jnp.asarray(random_values(rng, (size, 3)), jnp.float32)
+
+    @jax.jit
+    def run(x, ids):
+        A = CSRMatrix.from_indices(ids, m, backends=["xla", impl])
+        return [jaxcsr.matmul(A, x, reduce=r, impl=impl, interpret=True) for r in ("sum", "max")]
+
+    total, peak = run(x, ids)
+    x64 = np.asarray(x, np.float64)[kept]
+    assert_close(total, segment_reference(x64, ids[kept], m), np.float32)
+    assert_close(peak, segment_reference(x64, ids[kept], m, "max"), np.float32)
+    rows, cols = rng.integers(0, m, size), rng.integers(0, 8, size)
+    w = random_values(rng, size).astype(np.float32)
+    y = jnp.asarray(random_values(rng, (m, 2)), jnp.float32)
+
+    @jax.jit
+    def transposed(w, y, rows, cols):
+        A = CSRMatrix.from_coo(rows, cols, w, shape=(m, 8), backends=["xla", impl])
+        return jaxcsr.matmul(A.T, y, impl=impl, interpret=True)
+
+    dense = np.zeros((m, 8))
+    np.add.at(dense, (rows, cols), w)
+    assert_close(transposed(w, y, rows, cols), dense.T @ np.asarray(y, np.float64), np.float32)
+
+
+def test_edge_softmax_on_traced_coordinates_gets_device_plans(rng):
+    m, size = 12, 80
+    rows = rng.integers(0, m + 1, size).astype(np.int32)  # some dropped (row m)
+    cols = rng.integers(0, m, size).astype(np.int32)
+    scores = jnp.asarray(random_values(rng, size), jnp.float32)
+
+    @jax.jit
+    def attention(scores, rows, cols):
+        A = CSRMatrix.from_coo(rows, cols, shape=(m, m), backends=ALL)
+        assert set(jaxcsr.softmax.rows_pattern(A).backends) == set(ALL)
+        return jaxcsr.edge_softmax(A, scores[A.input_order]), A.input_order
+
+    p, order = attention(scores, rows, cols)
+    kept = rows < m
+    host = CSRMatrix.from_coo(rows[kept], cols[kept], shape=(m, m))
+    expected = jaxcsr.edge_softmax(host, scores[kept][host.input_order])
+    assert_close(p[: kept.sum()], expected, np.float32)
+    np.testing.assert_array_equal(np.asarray(p)[kept.sum() :], 0.0)
+    assert set(np.asarray(order)[kept.sum() :]) == set(np.flatnonzero(~kept))
+
+
+def test_vmap_over_a_stack_of_host_matrices_runs_each(rng):
+    """Matrices of one layout stacked into one pytree: vmap runs one product each."""
+    mats = [
+        CSRMatrix.from_coo(rng.integers(0, 6, 20), rng.integers(0, 5, 20), shape=(6, 5))
+        for _ in range(3)
+    ]
+    stack = jax.tree.map(lambda *leaves: jnp.stack(leaves), *mats)
+    x = jnp.asarray(random_values(rng, (5, 2)), jnp.float32)
+    y = jnp.asarray(random_values(rng, (6, 2)), jnp.float32)
+    products = jax.vmap(lambda A: A @ x)(stack)
+    sampled = jax.vmap(lambda A: jaxcsr.sddmm(A, y, x))(stack)
+    for b, A in enumerate(mats):
+        dense = A.to_scipy().toarray()
+        assert_close(products[b], dense @ np.asarray(x, np.float64), np.float32)
+        expected = (np.asarray(y, np.float64) @ np.asarray(x, np.float64).T)[
+            np.asarray(A.structure.row_ids()), np.asarray(A.indices)
+        ]
+        assert_close(sampled[b], expected, np.float32)
