@@ -54,16 +54,20 @@ def segment_structure(ids: jax.Array, num_rows: int, *, sorted_ids: bool = False
         stored. A broken promise gives unspecified results, as in ``jax.ops``.
 
     Returns:
-      The structure of shape ``(M, K)``: ``row_of_col`` is ``ids`` (``M`` where
-      dropped), ``indptr`` the counts' cumulative sum, ``indices`` the stable argsort.
+      The structure of shape ``(M, K)``: ``row_of_col`` is ``ids`` as given
+      (:meth:`~jaxcsr.structure.Structure.column_rows` reads ``M`` where dropped),
+      ``indptr`` the counts' cumulative sum, ``indices`` the stable argsort.
     """
     (size,) = ids.shape
     dtype = index_dtype_for(size, num_rows)
+    ids = ids.astype(dtype)
     keys = _dropped_to(ids, num_rows, dtype)
     indptr = row_pointer(keys, num_rows, dtype)
     indices = None if sorted_ids else jnp.argsort(keys, stable=True).astype(dtype)
     layout = Layout((num_rows, size), size, "columns", sorted_ids, padded=True)
-    return Structure(indptr, indices, keys, None, None, None, layout)
+    # row_of_col keeps the ids as given (the scatter and the gather drop out-of-range
+    # ones themselves); Structure.column_rows() is the sanitised form
+    return Structure(indptr, indices, ids, None, None, None, layout)
 
 
 def coo_structure(

@@ -344,7 +344,7 @@ def segment_log_softmax(logits: Any, segment_ids: Any, num_segments: Size = None
     out = shifted - matmul(A.T, jnp.log(total), impl=impl)
     s = A.structure
     if s.layout.padded:  # dropped entries (traced ids out of range): probability 0
-        dropped = (s.row_of_col >= s.shape[0]).reshape((-1,) + (1,) * (out.ndim - 1))
+        dropped = (s.column_rows() >= s.shape[0]).reshape((-1,) + (1,) * (out.ndim - 1))
         out = jnp.where(dropped, -jnp.inf, out)
     return jnp.moveaxis(out.astype(dtype), 0, axis)
 

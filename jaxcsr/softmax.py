@@ -67,12 +67,18 @@ def max_safe_total(dtype) -> float:
     return float(1 / jnp.finfo(dtype).tiny)
 
 
-def fast_path_safe(total: jax.Array, nonempty: jax.Array) -> jax.Array:
+def fast_path_safe(total: jax.Array, nonempty: Any) -> jax.Array:
     """Whether the unshifted softmax is exact enough for every row: each non-empty
     row's sum lies in ``[SAFE_TOTAL, max_safe_total(total.dtype)]`` (NaN sums pass:
-    NaN scores give NaN in either branch). A scalar bool."""
-    unsafe = nonempty & ((total < SAFE_TOTAL) | (total > max_safe_total(total.dtype)))
-    return ~jnp.any(unsafe)
+    NaN scores give NaN in either branch). A scalar bool.
+
+    ``nonempty``: ``(m, 1)`` bool, or a function returning it, called only when some
+    sum is out of range (an empty row's sum is 0): a structure planned on the device
+    pays a pass over its ids for it."""
+    suspect = (total < SAFE_TOTAL) | (total > max_safe_total(total.dtype))
+    if not callable(nonempty):
+        return ~jnp.any(nonempty & suspect)
+    return jax.lax.cond(jnp.any(suspect), lambda: ~jnp.any(nonempty() & suspect), lambda: True)
 
 
 def rows_pattern(A: CSRMatrix) -> CSRMatrix:
@@ -207,15 +213,18 @@ def _forward_unbatched(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array
     x = scores.astype(acc)
     e = _elementwise(jnp.exp, x)
     total = _row_sums(e, pattern, impl)
-    nonempty = (pattern.structure.degrees() > 0)[:, None]
+    s = pattern.structure
+
+    def nonempty():
+        return s.nonempty_rows()[:, None]
+
     out = jax.lax.cond(
-        fast_path_safe(total, nonempty),
+        fast_path_safe(total, nonempty if s.layout.padded else nonempty()),
         lambda: _elementwise(jnp.multiply, e, _broadcast(1 / total, pattern, impl)),
         lambda: _exact(x, pattern, impl),
     )
-    s = pattern.structure
     if s.layout.padded:  # dropped entries (traced ids out of range) belong to no row: 0
-        out = jnp.where((s.row_of_col < s.shape[0])[:, None], out, 0)
+        out = jnp.where((s.column_rows() < s.shape[0])[:, None], out, 0)
     return out.astype(scores.dtype)
 
 

@@ -29,7 +29,10 @@ A structure planned on the device from traced ids (:mod:`jaxcsr.device_plan`) is
 *padded* (``layout.padded``): ``nnz`` is then the length of the input, and entries
 whose ids were out of range (dropped, as ``jax.ops`` drops them) sit after the last
 row, from ``indptr[-1]`` on. They belong to no row: their row id is the view's row
-count, and for the ``"columns"`` kind their column is empty (``row_of_col == m``).
+count, and for the ``"columns"`` kind their column is empty. There ``row_of_col``
+holds the ids as given, any value outside ``[0, m)`` meaning "dropped", so that a
+scatter or gather reads them with no extra pass; :meth:`Structure.column_rows` is
+the sanitised form (``m`` where dropped) that everything else reads.
 """
 
 from __future__ import annotations
@@ -130,6 +133,24 @@ class Structure:
     def index_dtype(self):
         return self.indptr.dtype
 
+    def column_rows(self) -> jax.Array:
+        """``"columns"`` kind: the row of every column of ``C``, ``m`` for an empty one
+        (``row_of_col``, with a padded layout's out-of-range ids replaced by ``m``)."""
+        if not self.layout.padded:
+            return self.row_of_col
+        m = self.layout.shape[0]
+        rows = self.row_of_col
+        return jnp.where((rows >= 0) & (rows < m), rows, jnp.asarray(m, rows.dtype))
+
+    def nonempty_rows(self) -> jax.Array:
+        """``(rows,)`` bool: the viewed matrix's rows that store an entry. For a padded
+        one-per-column view, one scatter of flags (no counts, no cumulative sum)."""
+        if self.layout.padded and self.one_per_column:
+            m = self.layout.shape[0]
+            flags = jnp.zeros((m,), bool)
+            return flags.at[self.row_of_col].set(True, mode="drop", wrap_negative_indices=False)
+        return self.degrees() > 0
+
     def transpose(self) -> Structure:
         """The same arrays viewed as the transpose (no device work)."""
         return dataclasses.replace(self, transposed=not self.transposed)
@@ -161,7 +182,7 @@ class Structure:
             return self.t_indices
         if self.layout.full:
             return self.row_of_col
-        return self.row_of_col[self._nonempty_column_ids()]
+        return self.column_rows()[self._nonempty_column_ids()]
 
     def row_ids(self) -> jax.Array:
         """``(nnz,)`` row of every stored entry of the viewed matrix, CSR order."""
@@ -179,8 +200,8 @@ class Structure:
                 return jnp.where(self._stored(), self._nonempty_column_ids(), rows).astype(dtype)
             return self._nonempty_column_ids()
         if self.layout.sorted_ids:
-            return self.row_of_col
-        return self.row_of_col[self.indices]
+            return self.column_rows()
+        return self.column_rows()[self.indices]
 
     def degrees(self) -> jax.Array:
         """Stored entries per row of the viewed matrix, ``(rows,)``."""
@@ -251,7 +272,10 @@ class Structure:
         return self.indices
 
     def _nonempty_columns(self) -> jax.Array:
-        return self.row_of_col < self.layout.shape[0]
+        rows = self.row_of_col
+        if self.layout.padded:
+            return (rows >= 0) & (rows < self.layout.shape[0])
+        return rows < self.layout.shape[0]
 
     def _nonempty_column_ids(self) -> jax.Array:
         """``C.T``'s CSR order: the non-empty columns ascending (then, padded, the

@@ -47,5 +47,19 @@ def column_values(x: jax.Array, data: jax.Array | None, structure: Structure) ->
 
 
 def zero_empty_rows(out: jax.Array, structure: Structure) -> jax.Array:
-    """``out`` with the rows that store no entry set to 0 (max/min's empty rows)."""
-    return jnp.where(structure.degrees()[:, None] > 0, out, jnp.zeros((), out.dtype))
+    """``out`` with the rows that store no entry set to 0 (max/min's empty rows).
+
+    ``out`` holds the reduction's identity (``-inf``/``+inf``) in empty rows. A
+    structure planned on the device has no stored degrees, and finding the non-empty
+    rows costs a pass over the ids, so it is paid only when some output is infinite
+    (an empty row, or a row of infinities); otherwise ``out`` is returned as is.
+    """
+
+    def zeroed():
+        return jnp.where(structure.nonempty_rows()[:, None], out, jnp.zeros((), out.dtype))
+
+    if not structure.layout.padded:
+        return zeroed()
+    if not jnp.issubdtype(out.dtype, jnp.floating):  # integer identities are finite
+        return zeroed()
+    return jax.lax.cond(jnp.any(jnp.isinf(out)), zeroed, lambda: out)

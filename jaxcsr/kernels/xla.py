@@ -173,7 +173,7 @@ def spmm(
         if structure.layout.full:
             out = x[structure.row_of_col]
         else:
-            out = x.at[structure.row_of_col].get(mode="fill", fill_value=0)
+            out = _rows_of(x, structure.row_of_col)
         out = out.astype(acc)
         if data is not None:
             out = out * structure.row_values(data.astype(acc))[:, None]
@@ -197,6 +197,12 @@ def spmm(
     if data is not None:
         gathered = gathered * data[:, None]
     return _scatter_add(gathered, structure.row_ids(), m, sorted_ids=True)
+
+
+def _rows_of(x: jax.Array, ids: jax.Array) -> jax.Array:
+    """``x[ids]`` with 0 for every id outside ``[0, len(x))``, negative ones included
+    (a padded layout's dropped ids are read as given: no extra pass over them)."""
+    return x.at[ids].get(mode="fill", fill_value=0, wrap_negative_indices=False)
 
 
 INTERLEAVE = 16
@@ -231,14 +237,14 @@ def sddmm(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> ja
     acc = accumulation_dtype(jnp.result_type(ct.dtype, x.dtype))
     if structure.one_per_column:  # per column j: ct[row_of_col[j]] . x[j]
         m = structure.shape[0]
-        rows = jnp.minimum(structure.row_of_col, m - 1)
-        per_column = jnp.sum(ct[rows].astype(acc) * x.astype(acc), axis=1)
+        rows = structure.column_rows()
+        per_column = jnp.sum(ct[jnp.minimum(rows, m - 1)].astype(acc) * x.astype(acc), axis=1)
         if structure.layout.padded:  # dropped entries: no row, no gradient
-            per_column = jnp.where(structure.row_of_col < m, per_column, 0)
+            per_column = jnp.where(rows < m, per_column, 0)
         per_entry = per_column if structure.sorted_ids else per_column[structure.indices]
         return per_entry.astype(out_dtype)
     if structure.one_per_row:  # per row i: ct[i] . x[col_of_row[i]]
-        cols = jnp.minimum(structure.row_of_col, x.shape[0] - 1)
+        cols = jnp.minimum(structure.column_rows(), x.shape[0] - 1)
         per_row = jnp.sum(ct.astype(acc) * x[cols].astype(acc), axis=1)
         return structure.compact_rows(per_row).astype(out_dtype)
     rows = structure.row_ids()
@@ -284,7 +290,7 @@ def spmm_extreme(
             values, structure.row_of_col, m, reduce, indices_are_sorted=structure.sorted_ids
         )
     elif structure.one_per_row:
-        gathered = x.at[structure.row_of_col].get(mode="fill", fill_value=0)
+        gathered = _rows_of(x, structure.row_of_col)
         weights = None if data is None else structure.row_values(data)
         out = weighted(gathered, weights, dtype)
     else:
@@ -330,7 +336,7 @@ def extreme_columns(
     if structure.one_per_column:  # search the columns, in input order
         return jnp.minimum(_first_column_hit(x, data, structure, out), n)
     if structure.one_per_row:  # the row's only entry (its own max)
-        return jnp.broadcast_to(structure.row_of_col.astype(jnp.int32)[:, None], (m, f))
+        return jnp.broadcast_to(structure.column_rows().astype(jnp.int32)[:, None], (m, f))
     position = extreme_positions(x, data, structure, out)
     columns = jnp.append(structure.view_indices().astype(jnp.int32), jnp.int32(n))
     return columns[position]
@@ -343,7 +349,7 @@ def _first_column_hit(x, data, structure: Structure, out: jax.Array) -> jax.Arra
     """
     m = out.shape[0]
     values = column_values(x, data, structure)
-    rows = structure.row_of_col  # m for an empty column: dropped by the segment_min
+    rows = structure.column_rows()  # m for an empty column: dropped by the segment_min
     target = out.astype(values.dtype)[jnp.minimum(rows, m - 1)]
     return _first_hit(values, target, rows, m, structure.sorted_ids)
 
@@ -361,7 +367,7 @@ def extreme_column_mask(
     m = out.shape[0]
     n = x.shape[0]
     first = _first_column_hit(x, data, structure, out)
-    rows = structure.row_of_col
+    rows = structure.column_rows()
     winner = first[jnp.minimum(rows, m - 1)]
     return (winner == jnp.arange(n, dtype=jnp.int32)[:, None]) & (rows < m)[:, None]
 
