@@ -350,3 +350,29 @@ def test_vmap_over_a_stack_of_host_matrices_runs_each(rng):
             np.asarray(A.structure.row_ids()), np.asarray(A.indices)
         ]
         assert_close(sampled[b], expected, np.float32)
+
+
+def test_device_planned_products_lower_to_the_kernels():
+    """With traced ids, the exported program holds the planner and the platform's
+    kernel: Triton for CUDA, Mosaic for TPU (forward, and the general kind's backward
+    on the planned transpose)."""
+    from gpu_sass import TRITON_CALL, export_for_cuda
+    from jax import export
+
+    def segment_form(v, ids):
+        return CSRMatrix.from_indices(ids, 5, backends=ALL) @ v
+
+    def coo_backward(v, rows, cols):
+        A = CSRMatrix.from_coo(
+            rows, cols, jnp.ones(rows.shape, v.dtype), shape=(5, 8), backends=ALL
+        )
+        return jax.grad(lambda v: jnp.sum(A.T @ v))(v)
+
+    v = jax.ShapeDtypeStruct((8, 20), jnp.float32)
+    ids = jax.ShapeDtypeStruct((8,), jnp.int32)
+    v5 = jax.ShapeDtypeStruct((5, 20), jnp.float32)
+    for fn, args in ((segment_form, (v, ids)), (coo_backward, (v5, ids, ids))):
+        text = export_for_cuda(fn, *args).mlir_module()
+        assert TRITON_CALL in text and "stablehlo.sort" in text  # planned in the program
+        text = export.export(jax.jit(fn), platforms=["tpu"])(*args).mlir_module()
+        assert "tpu_custom_call" in text

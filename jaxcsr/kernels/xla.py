@@ -32,7 +32,8 @@ The thresholds follow crossovers measured on 2 CPU cores (float32): jaxlib's CSR
 kernel costs about as much for one feature as for eight, so narrow operands scatter;
 with sorted segment ids it wins from :data:`CSR_KERNEL_MIN_WIDTH` features, with
 unsorted ids (X's rows gathered at random) only from
-:data:`UNSORTED_CSR_KERNEL_MIN_WIDTH`; general matrices run it from
+:data:`UNSORTED_CSR_KERNEL_MIN_WIDTH`, and never for ids planned on the device,
+whose sort it would pay at every call; general matrices run it from
 :data:`CSR_KERNEL_MIN_WIDTH` and the gather + sorted segment sum below. The timings
 are in ``benchmarks/results/cpu/strategies.md`` (``python -m
 benchmarks.studies.strategies``).
@@ -128,7 +129,9 @@ def choose_strategy(structure: Structure, *, on_cpu: bool, width: int | None = N
     if structure.one_per_column:
         if csr_kernel and structure.sorted_ids and wide:
             return "csr_kernel"
-        if csr_kernel and (width is not None and width >= UNSORTED_CSR_KERNEL_MIN_WIDTH):
+        # unsorted ids planned on the device would pay their sort at every call
+        unsorted_wide = width is not None and width >= UNSORTED_CSR_KERNEL_MIN_WIDTH
+        if csr_kernel and unsorted_wide and not structure.layout.padded:
             return "csr_kernel"
         return "scatter"
     if structure.one_per_row:
