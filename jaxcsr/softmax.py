@@ -202,10 +202,20 @@ def shifted_exp(x: jax.Array, pattern: CSRMatrix, impl=None) -> tuple[jax.Array,
     return shifted, e, _row_sums(e, pattern, impl), peak
 
 
+def _normalised(e: jax.Array, per_entry: jax.Array, fn, pattern: CSRMatrix) -> jax.Array:
+    """``fn(e, per_entry)`` in one elementwise pass; for a padded pattern (traced ids)
+    the dropped entries, which belong to no row, are 0 in the same pass."""
+    s = pattern.structure
+    if not s.layout.padded:
+        return _elementwise(fn, e, per_entry)
+    kept = jnp.broadcast_to((s.column_rows() < s.shape[0])[:, None], e.shape)
+    return _elementwise(lambda e, v, kept: jnp.where(kept, fn(e, v), 0), e, per_entry, kept)
+
+
 def _exact(x: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
     """Softmax shifted by each row's max (the textbook stable formula)."""
     _, e, total, _ = shifted_exp(x, pattern, impl)
-    return _elementwise(jnp.divide, e, _broadcast(total, pattern, impl))
+    return _normalised(e, _broadcast(total, pattern, impl), jnp.divide, pattern)
 
 
 def _forward_unbatched(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
@@ -220,11 +230,9 @@ def _forward_unbatched(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array
 
     out = jax.lax.cond(
         fast_path_safe(total, nonempty if s.layout.padded else nonempty()),
-        lambda: _elementwise(jnp.multiply, e, _broadcast(1 / total, pattern, impl)),
+        lambda: _normalised(e, _broadcast(1 / total, pattern, impl), jnp.multiply, pattern),
         lambda: _exact(x, pattern, impl),
     )
-    if s.layout.padded:  # dropped entries (traced ids out of range) belong to no row: 0
-        out = jnp.where((s.column_rows() < s.shape[0])[:, None], out, 0)
     return out.astype(scores.dtype)
 
 

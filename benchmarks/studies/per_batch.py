@@ -42,6 +42,7 @@ GRAPHS = ("cora", "planetoid_pubmed", "musae_github")
 WIDTHS = (1, 16, 64, 256)
 DTYPES = ("float32", "bfloat16")
 OPS = ("sum", "max", "softmax")
+SYSTEMS = ("jaxcsr", "jax.ops")
 
 
 def _ops_softmax(logits, ids, num_segments):
@@ -85,17 +86,31 @@ def segment_rows(graphs, widths, dtypes, repeats: int, seed: int) -> list[dict]:
                 for op in OPS:
                     out_rows = graph.num_edges if op == "softmax" else m
                     ct = jnp.asarray(rng.standard_normal((out_rows, width)), dtype)
-                    thunks = {}
-                    for system in ("jaxcsr", "jax.ops"):
-                        fwd, fwd_bwd = _programs(op, system, m)
-                        thunks[f"{system} fwd"] = functools.partial(fwd, x, ids)
-                        thunks[f"{system} fwd+bwd"] = functools.partial(fwd_bwd, x, ids, ct)
-                    timings, outs = measure.time_in_turns(thunks, repeats)
+                    programs = {system: _programs(op, system, m) for system in SYSTEMS}
                     for mode in ("fwd", "fwd+bwd"):
+                        # the two systems in turns, one mode at a time (similar buffers)
+                        args = (x, ids) if mode == "fwd" else (x, ids, ct)
+                        index = 0 if mode == "fwd" else 1
+                        thunks = {
+                            f"{system} {mode}": functools.partial(programs[system][index], *args)
+                            for system in SYSTEMS
+                        }
+                        timings, outs = measure.time_in_turns(thunks, _repeats(thunks, repeats))
                         row = _cell(name, op, dtype, width, mode, timings, outs, m)
                         rows.append(row)
                         print(_line(row), flush=True)
     return rows
+
+
+CELL_BUDGET_S = 0.3
+"""Fast cells repeat until each system has run about this long (at least ``--repeats``
+times, at most 200): sub-millisecond timings need many samples."""
+
+
+def _repeats(thunks: dict, repeats: int) -> int:
+    slowest = max(thunks.values(), key=lambda t: measure.timed(t)[0])  # compiles all
+    seconds = measure.timed(slowest)[0]
+    return int(np.clip(CELL_BUDGET_S / max(seconds, 1e-6), repeats, 200))
 
 
 def _cell(graph, op, dtype, width, mode, timings, outs, m) -> dict:
