@@ -208,3 +208,18 @@ def test_help_is_instant_and_shows_plain_defaults():
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr
     assert "(default: 16,64,256)" in result.stdout and "(default: tolokers)" in result.stdout
+
+
+def test_per_batch_benchmark_checks_and_writes(tmp_path):
+    from benchmarks.studies import per_batch
+
+    argv = ["--graphs", "cora", "--widths", "4", "--dtypes", "float32", "--repeats", "1"]
+    argv += ["--cell-budget", "0", "--steps", "2", "--out", str(tmp_path)]
+    result = per_batch.main(argv)
+    cells = {(r["op"], r["mode"]) for r in result["segments"]}
+    assert cells == {(op, mode) for op in per_batch.OPS for mode in ("fwd", "fwd+bwd")}
+    # both systems computed the same function on the same traced ids
+    assert all(r["max_relative_difference"] < 1e-4 for r in result["segments"])
+    assert result["training"][0]["loss_difference"] < 1e-4
+    assert result["planning"][0]["structure"] > 0
+    assert "jraph-style training step" in (tmp_path / "per_batch.md").read_text()

@@ -43,6 +43,9 @@ WIDTHS = (1, 16, 64, 256)
 DTYPES = ("float32", "bfloat16")
 OPS = ("sum", "max", "softmax")
 SYSTEMS = ("jaxcsr", "jax.ops")
+CELL_BUDGET_S = 0.3
+"""Fast cells repeat until each system has run about this long (at least ``--repeats``
+times, at most 200): sub-millisecond timings need many samples."""
 
 
 def _ops_softmax(logits, ids, num_segments):
@@ -72,7 +75,9 @@ def _programs(op: str, system: str, num_segments: int):
     return jax.jit(fwd), jax.jit(fwd_bwd)
 
 
-def segment_rows(graphs, widths, dtypes, repeats: int, seed: int) -> list[dict]:
+def segment_rows(
+    graphs, widths, dtypes, repeats: int, seed: int, budget_s: float = CELL_BUDGET_S
+) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
     for name in graphs:
@@ -95,22 +100,20 @@ def segment_rows(graphs, widths, dtypes, repeats: int, seed: int) -> list[dict]:
                             f"{system} {mode}": functools.partial(programs[system][index], *args)
                             for system in SYSTEMS
                         }
-                        timings, outs = measure.time_in_turns(thunks, _repeats(thunks, repeats))
+                        reps = _repeats(thunks, repeats, budget_s)
+                        timings, outs = measure.time_in_turns(thunks, reps)
                         row = _cell(name, op, dtype, width, mode, timings, outs, m)
                         rows.append(row)
                         print(_line(row), flush=True)
     return rows
 
 
-CELL_BUDGET_S = 0.3
-"""Fast cells repeat until each system has run about this long (at least ``--repeats``
-times, at most 200): sub-millisecond timings need many samples."""
-
-
-def _repeats(thunks: dict, repeats: int) -> int:
+def _repeats(thunks: dict, repeats: int, budget_s: float) -> int:
+    if budget_s <= 0:
+        return repeats
     slowest = max(thunks.values(), key=lambda t: measure.timed(t)[0])  # compiles all
     seconds = measure.timed(slowest)[0]
-    return int(np.clip(CELL_BUDGET_S / max(seconds, 1e-6), repeats, 200))
+    return int(np.clip(budget_s / max(seconds, 1e-6), repeats, 200))
 
 
 def _cell(graph, op, dtype, width, mode, timings, outs, m) -> dict:
@@ -345,7 +348,10 @@ def main(argv=None) -> dict:
     p.add_argument("--graphs", default=",".join(GRAPHS))
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)))
     p.add_argument("--dtypes", default=",".join(DTYPES))
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=5, help="timed runs per cell, at least")
+    p.add_argument(
+        "--cell-budget", type=float, default=CELL_BUDGET_S, help="seconds per system and cell"
+    )
     p.add_argument("--steps", type=int, default=40, help="timed training steps")
     p.add_argument("--features", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
@@ -359,6 +365,7 @@ def main(argv=None) -> dict:
             args.dtypes.split(","),
             args.repeats,
             args.seed,
+            args.cell_budget,
         ),
         "training": training_rows(args.features, args.steps, args.seed),
         "planning": planning_rows(graphs, args.repeats, args.seed),
