@@ -66,7 +66,7 @@ def test_index_dtype_widens_for_huge_sizes():
     assert plan.index_dtype_for(2**31) == np.int64
 
 
-@settings(max_examples=25, deadline=None)  # each example compiles new shapes
+@settings(max_examples=15, deadline=None)  # each example compiles new shapes
 @given(
     m=st.integers(0, 20),
     n=st.integers(0, 20),
