@@ -115,6 +115,10 @@ class SparseOperand(abc.ABC):
     ) -> Any:
         """``A @ x`` for a validated 2-D ``x`` ``(n, F)``: ``(m, F)``, or ``(out, arg)``."""
 
+    def operand_hint(self) -> str:
+        """Appended to the error for an ``x`` of the wrong length (what else to call)."""
+        return ""
+
 
 @jax.tree_util.register_pytree_node_class
 class CSRMatrix(SparseOperand):
@@ -721,7 +725,9 @@ def matmul(
         raise TypeError(f"reduce={reduce!r} needs real dtypes, got X {X.dtype}, A {A.dtype}")
     m, n = A.shape
     if X.shape[0] != n:
-        raise ValueError(f"X.shape[0] must equal A.shape[1] = {n}, got X.shape = {X.shape}")
+        raise ValueError(
+            f"X.shape[0] must equal A.shape[1] = {n}{A.operand_hint()}, got X.shape = {X.shape}"
+        )
     features = X.shape[1:]
     x2 = X.reshape(n, int(np.prod(features, dtype=np.int64)))
     result = A.product(x2, reduce=reduce, return_arg=return_arg, impl=impl, interpret=interpret)

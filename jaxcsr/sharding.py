@@ -149,7 +149,8 @@ class _Plan:
 
     mesh: Any
     axis: str
-    shape: tuple[int, int]  # (m, columns): A's columns (spmm) or shards * block_cols
+    shape: tuple[int, int]  # A's shape (m, n)
+    layout_size: int  # rows of laid-out per-edge values: shards * block_cols (segment) or n
     form: str  # "segment" or "spmm"
     balance: str
     block_rows: int  # row capacity per block, without the trash row
@@ -208,9 +209,16 @@ class ShardedCSR(SparseOperand):
     # -------------------------------------------------------------- properties
     @property
     def shape(self) -> tuple[int, int]:
-        """``(m, columns)``: ``A``'s rows; ``A``'s columns (SpMM form) or the laid-out
-        edges ``shards * block columns`` (segment form)."""
+        """``A.shape``: ``S @ x`` takes what ``A @ x`` takes (per-edge values in input
+        order, for the segment form)."""
         return self._plan.shape
+
+    @property
+    def layout_size(self) -> int:
+        """Rows of per-edge values laid out shard by shard (segment form: ``shards *
+        block capacity``, padding slots included; SpMM form: ``shape[1]``), what
+        :meth:`layout_values` returns and :meth:`matmul_laid_out` takes."""
+        return self._plan.layout_size
 
     @property
     def dtype(self) -> np.dtype | None:
@@ -253,13 +261,14 @@ class ShardedCSR(SparseOperand):
 
     @property
     def data(self) -> jax.Array | None:
-        """Values laid out shard by shard ``(shape[1] or shards * block nnz,)``, or None."""
+        """Values laid out shard by shard ``(shards * block nnz,)``, or None."""
         return self._data
 
     @property
     def input_sharding(self) -> NamedSharding:
-        """How the segment form's per-edge values (first axis ``shape[1]``) and
-        :attr:`data` are laid out: split along the axis, each shard's contiguous."""
+        """How the segment form's laid-out per-edge values (first axis
+        :attr:`layout_size`) and :attr:`data` are placed: split along the axis, each
+        shard's contiguous."""
         return NamedSharding(self.mesh, P(self.axis))
 
     @property
@@ -270,8 +279,8 @@ class ShardedCSR(SparseOperand):
     @property
     def input_order(self) -> np.ndarray:
         """Segment form: for each laid-out column, the input position (``idx`` index)
-        of its edge, ``-1`` for padding. Put per-edge arrays in this order once, on
-        the host (:meth:`layout_values`)."""
+        of its edge, ``-1`` for padding. ``S @ v`` lays input-order values out with it
+        inside the product; :meth:`layout_values` does it once, on the host."""
         return _on_host(self._layout.input_order, "input_order")
 
     @property
@@ -290,8 +299,10 @@ class ShardedCSR(SparseOperand):
 
     # ------------------------------------------------------------------ layout
     def layout_values(self, values: Any) -> jax.Array:
-        """Per-edge values in input order ``(K, ...)`` -> laid out ``(shape[1], ...)``
-        (zeros in padding slots), placed as :attr:`input_sharding`. Host-side, once."""
+        """Per-edge values in input order ``(K, ...)`` -> laid out ``(layout_size, ...)``
+        (zeros in padding slots), placed as :attr:`input_sharding`. Host-side, once:
+        for :meth:`matmul_laid_out`, and for per-edge inputs (senders, edge features)
+        from which a jitted step computes its messages already in the layout."""
         if self.form != "segment":
             raise ValueError("layout_values is for the segment form (from_indices)")
         return self._lay_out(values, self.input_order, "values")
@@ -326,28 +337,80 @@ class ShardedCSR(SparseOperand):
         """``A @ x`` with ``reduce`` (see :func:`jaxcsr.matmul`), row-sharded."""
         return matmul(self, x, reduce=reduce, return_arg=return_arg)
 
+    def matmul_laid_out(self, values: Any, *, reduce: str = "sum", return_arg: bool = False):
+        """Segment form: ``A @ v`` for per-edge values already laid out, ``(layout_size,
+        ...)`` (:meth:`layout_values`, or computed in the layout inside a jitted step):
+        no communication before the product. ``return_arg`` gives laid-out positions
+        (sentinel ``layout_size``). The SpMM form has no layout: use ``S @ x``."""
+        if self.form != "segment":
+            raise ValueError("matmul_laid_out is for the segment form; use S @ x")
+        return matmul(_LaidOut(self), values, reduce=reduce, return_arg=return_arg)
+
     def product(
         self, x: jax.Array, *, reduce: str, return_arg: bool, impl: str | None, interpret: bool
     ) -> Any:
         """:meth:`~jaxcsr.matrix.SparseOperand.product`: every device runs its block's
-        default backend inside one ``shard_map``."""
+        default backend inside one ``shard_map``. The segment form first lays the
+        input-order values out: every device gathers its edges' values by its slice of
+        :attr:`input_order` from ``x`` replicated (an all-gather of ``x`` when it is
+        sharded; ``communication()["layout"]``), and ``return_arg`` gives input
+        positions."""
         if impl is not None or interpret:
             raise ValueError("impl/interpret: a ShardedCSR runs each block's default")
-        return _sharded_product(self, x, reduce, return_arg)
+        return _sharded_product(self, x, reduce, return_arg, in_order=self.form == "segment")
+
+    def operand_hint(self) -> str:
+        if self.form != "segment":
+            return ""
+        return (
+            f" (per-edge values in input order); values already laid out "
+            f"({self.layout_size} rows, S.layout_values) go to S.matmul_laid_out"
+        )
 
     def communication(self, n_features: int, dtype: Any = jnp.float32) -> dict[str, int]:
-        """Bytes one device sends per product (forward; the backward moves the same
-        amounts the other way): ``gather_x`` (SpMM: its share of the all-gather of
-        ``x`` when ``x`` is sharded, 0 when replicated) and ``relayout`` (rows of its
-        block that belong to another device's part of the output)."""
+        """Bytes one device (the busiest) receives per product (forward; the backward
+        moves the same amounts the other way): ``gather_x`` (SpMM: its share of the
+        all-gather of ``x`` when ``x`` is sharded, 0 when replicated), ``layout``
+        (segment form, ``S @ v`` with ``v`` in input order: its share of the
+        all-gather of ``v`` when ``v`` is sharded, 0 when replicated or through
+        :meth:`matmul_laid_out`) and ``relayout`` (rows of its block that belong to
+        another device's part of the output)."""
         itemsize = np.dtype(dtype).itemsize
         shards, (m, n) = self.num_shards, self.shape
-        gather = 0 if self.form == "segment" else (shards - 1) * -(-n // shards)
+        share = (shards - 1) * -(-n // shards)  # rows of an all-gather of (n, ...)
+        gather = 0 if self.form == "segment" else share
+        layout = share if self.form == "segment" else 0
         rows = _relayout_rows(self.row_starts, m)
         return {
             "gather_x": gather * n_features * itemsize,
+            "layout": layout * n_features * itemsize,
             "relayout": int(rows.max(initial=0)) * n_features * itemsize,
         }
+
+
+class _LaidOut(SparseOperand):
+    """A segment-form :class:`ShardedCSR` viewed as the ``(m, layout_size)`` matrix of
+    its laid-out columns: what :meth:`ShardedCSR.matmul_laid_out` multiplies."""
+
+    def __init__(self, S: ShardedCSR):
+        self._S = S
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self._S.shape[0], self._S.layout_size)
+
+    @property
+    def dtype(self) -> np.dtype | None:
+        return self._S.dtype
+
+    def product(self, x, *, reduce, return_arg, impl, interpret):
+        if impl is not None or interpret:
+            raise ValueError("impl/interpret: a ShardedCSR runs each block's default")
+        return _sharded_product(self._S, x, reduce, return_arg)
+
+    def operand_hint(self) -> str:
+        n = self._S.shape[1]
+        return f" (values laid out); per-edge values in input order ({n} rows) go to S @ v"
 
 
 def _overlaps(row_starts, m) -> dict[tuple[int, int], tuple[int, int]]:
@@ -478,7 +541,7 @@ def shard(
       form: ``"segment"`` or ``"spmm"``; default: ``"segment"`` for
         :meth:`~jaxcsr.CSRMatrix.from_indices` matrices, else ``"spmm"``.
         ``"segment"`` takes any matrix with at most one entry per column; ``"spmm"``
-        forces the gathered-``x`` form (``S.shape == A.shape``).
+        forces the gathered-``x`` form. Either way ``S.shape == A.shape``.
 
     Returns:
       A :class:`ShardedCSR`; each device holds only its block (and the block plans of
@@ -515,10 +578,10 @@ def shard(
     if segment:  # a column of a one-per-column matrix is its entry's input position
         columns_of = indices.astype(np.int64)
         input_order = np.where(data_order >= 0, columns_of[np.maximum(data_order, 0)], -1).ravel()
-        columns = shards * k_b
+        layout_size = shards * k_b
     else:
         input_order = np.full(shards * k_b, -1, np.int64)
-        columns = n
+        layout_size = n
     replicated = NamedSharding(mesh, P())
     layout = _Layout(
         row_starts=jax.device_put(blocks.row_starts.astype(np.int32), replicated),
@@ -537,7 +600,8 @@ def shard(
     plan_ = _Plan(
         mesh=mesh,
         axis=axis,
-        shape=(m, columns),
+        shape=(m, n),
+        layout_size=layout_size,
         form="segment" if segment else "spmm",
         balance=balance,
         block_rows=blocks.block_rows,
@@ -590,32 +654,39 @@ def _place(x: jax.Array, sharding: NamedSharding) -> jax.Array:
     return lax.with_sharding_constraint(x, sharding)
 
 
-def _sharded_product(S: ShardedCSR, x: jax.Array, reduce: str, return_arg: bool):
+def _sharded_product(
+    S: ShardedCSR, x: jax.Array, reduce: str, return_arg: bool, in_order: bool = False
+):
+    """``in_order``: segment-form values in input order, laid out inside the blocks."""
     pl_ = S._plan
-    x_spec = P(pl_.axis) if pl_.form == "segment" else P()
+    x_spec = P(pl_.axis) if pl_.form == "segment" and not in_order else P()
     operands = [_place(x, NamedSharding(pl_.mesh, x_spec)), *S._index_leaves]
     if S._data is not None:  # new values (with_data) may come in any layout
         operands.append(_place(S._data, NamedSharding(pl_.mesh, P(pl_.axis))))
     if not pl_.aligned:
         operands += [S._send, S._recv]
-    return _sharded_function(pl_, reduce, return_arg)(*operands)
+    if in_order:
+        operands.append(S._layout.input_order)
+    return _sharded_function(pl_, reduce, return_arg, in_order)(*operands)
 
 
 @functools.lru_cache(maxsize=256)
-def _sharded_function(pl_: _Plan, reduce: str, return_arg: bool):
+def _sharded_function(pl_: _Plan, reduce: str, return_arg: bool, in_order: bool = False):
     """The jitted ``shard_map`` of one plan and reduction (cached: eager calls compile
     once; inside an outer ``jit`` it is inlined)."""
     axis = pl_.axis
     shards, (m, _) = int(pl_.mesh.shape[pl_.axis]), pl_.shape
-    specs = [P(axis) if pl_.form == "segment" else P()]
+    specs = [P(axis) if pl_.form == "segment" and not in_order else P()]
     specs += [P(axis)] * pl_.index_tree.num_leaves
     specs += [P(axis)] * pl_.has_data + [P(axis), P(axis)] * (not pl_.aligned)
+    specs += [P(axis)] * in_order
     body = functools.partial(
         _block_product,
         plan_=pl_,
         rows=_rows_per_part(m, shards),
         reduce=reduce,
         return_arg=return_arg,
+        in_order=in_order,
     )
     out_specs = (P(axis), P(axis)) if return_arg else P(axis)
     mapped = jax.shard_map(
@@ -649,11 +720,16 @@ def _explicit(mesh) -> bool:
     return any("Explicit" in str(t) for t in getattr(mesh, "axis_types", ()))
 
 
-def _block_product(x, *rest, plan_: _Plan, rows: int, reduce: str, return_arg: bool):
+def _block_product(
+    x, *rest, plan_: _Plan, rows: int, reduce: str, return_arg: bool, in_order: bool
+):
     rest = list(rest)
     leaves = [rest.pop(0)[0] for _ in range(plan_.index_tree.num_leaves)]
     data = rest.pop(0) if plan_.has_data else None
-    send, recv = (rest[0][0], rest[1][0]) if not plan_.aligned else (None, None)
+    send, recv = (rest.pop(0)[0], rest.pop(0)[0]) if not plan_.aligned else (None, None)
+    order = rest.pop(0) if in_order else None  # this block's input positions, -1: pad
+    if in_order:  # lay this block's edges out from the replicated input-order values
+        x = x.at[order].get(mode="fill", fill_value=0, wrap_negative_indices=False)
     index = jax.tree_util.tree_unflatten(plan_.index_tree, leaves)
     block = CSRMatrix(data, index)
     out = block.product(x, reduce=reduce, return_arg=return_arg, impl=None, interpret=False)
@@ -661,9 +737,12 @@ def _block_product(x, *rest, plan_: _Plan, rows: int, reduce: str, return_arg: b
         return _relayout(out, send, recv, plan_, rows)
     out, arg = out
     k_b = plan_.block_cols
-    if plan_.form == "segment":  # block column j of device p is laid-out column p*K_b + j
+    if in_order:  # block column j holds input position order[j]
+        position = order[jnp.minimum(arg, k_b - 1)]
+        arg = jnp.where(arg < k_b, position, plan_.shape[1]).astype(arg.dtype)
+    elif plan_.form == "segment":  # block column j of device p is laid-out column p*K_b + j
         p = lax.axis_index(plan_.axis)
-        arg = jnp.where(arg < k_b, arg + p * k_b, plan_.shape[1]).astype(arg.dtype)
+        arg = jnp.where(arg < k_b, arg + p * k_b, plan_.layout_size).astype(arg.dtype)
     return _relayout(out, send, recv, plan_, rows), _relayout(arg, send, recv, plan_, rows)
 
 

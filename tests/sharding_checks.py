@@ -61,12 +61,16 @@ def _segment_case(mesh, idx, M, data, v, ct):
     K = idx.size
     A = CSRMatrix.from_indices(idx, M, data=data)
     S = jaxcsr.shard(A, mesh, "d")
-    assert S.form == "segment" and S.shape == (M, len(S.input_order))
+    assert S.form == "segment" and S.shape == A.shape == (M, K)
+    assert S.layout_size == len(S.input_order) >= K
     assert np.array_equal(np.sort(S.input_order[S.input_order >= 0]), np.arange(K))
     vl = S.layout_values(v)
     weighted = v * (1.0 if data is None else data[:, None])
     for reduce in ("sum", "max") if QUICK else ("sum", "mean", "max", "min"):
-        y = jax.jit(lambda vl, reduce=reduce: jaxcsr.matmul(S, vl, reduce=reduce))(vl)
+        y = jax.jit(lambda vl, reduce=reduce: S.matmul_laid_out(vl, reduce=reduce))(vl)
+        # values in input order: laid out inside the product, the same result
+        y_in = jax.jit(lambda v, reduce=reduce: jaxcsr.matmul(S, v, reduce=reduce))(v)
+        np.testing.assert_array_equal(np.asarray(y_in), np.asarray(y))
         assert y.shape == (M, 3)
         assert_close(y, segment_reference(weighted, idx, M, reduce), np.float32)
         single = np.asarray(jaxcsr.matmul(A, v, reduce=reduce))
@@ -74,21 +78,39 @@ def _segment_case(mesh, idx, M, data, v, ct):
             np.testing.assert_array_equal(np.asarray(y), single)
         else:
             np.testing.assert_allclose(np.asarray(y), single, rtol=1e-5, atol=1e-5)
-    y, arg = jaxcsr.matmul(S, vl, reduce="max", return_arg=True)
+    y, arg = S.matmul_laid_out(vl, reduce="max", return_arg=True)
     _, ref_arg = jaxcsr.matmul(A, v, reduce="max", return_arg=True)
     arg = np.asarray(arg)
-    in_order = np.where(arg < S.shape[1], S.input_order[np.minimum(arg, S.shape[1] - 1)], K)
+    size = S.layout_size
+    in_order = np.where(arg < size, S.input_order[np.minimum(arg, size - 1)], K)
     np.testing.assert_array_equal(in_order, np.asarray(ref_arg))
-    # gradients w.r.t. the per-edge values and the matrix values
-    gv = jax.grad(lambda vl: jnp.sum(jnp.sin(S @ vl) * ct))(vl)
+    _, arg_in = jaxcsr.matmul(S, v, reduce="max", return_arg=True)  # input positions
+    np.testing.assert_array_equal(np.asarray(arg_in), np.asarray(ref_arg))
+    # gradients w.r.t. the per-edge values (both forms) and the matrix values
+    gv = jax.grad(lambda vl: jnp.sum(jnp.sin(S.matmul_laid_out(vl)) * ct))(vl)
     ref_gv = jax.grad(lambda v: jnp.sum(jnp.sin(A @ v) * ct))(v)
     real = S.input_order >= 0
     assert_close(np.asarray(gv)[real], np.asarray(ref_gv)[S.input_order[real]], np.float32)
     assert np.all(np.asarray(gv)[~real] == 0)
+    gv_in = jax.jit(jax.grad(lambda v: jnp.sum(jnp.sin(S @ v) * ct)))(v)
+    assert_close(gv_in, ref_gv, np.float32)
+    for wrong, form in ((vl, "S.matmul_laid_out"), (v[:-1], "S.matmul_laid_out")):
+        try:
+            S @ wrong
+        except ValueError as err:
+            assert f"A.shape[1] = {K}" in str(err) and form in str(err), err
+        else:
+            raise AssertionError("a wrong length must raise")
+    try:
+        S.matmul_laid_out(v[:-1])
+    except ValueError as err:
+        assert f"A.shape[1] = {size}" in str(err) and "S @ v" in str(err), err
+    else:
+        raise AssertionError("a wrong laid-out length must raise")
     Sw = S.with_data(
         S.layout_data(np.asarray(A.data)) if data is not None else jnp.ones(len(S.data_order))
     )
-    gw = jax.grad(lambda d: jnp.sum(jnp.sin(Sw.with_data(d) @ vl) * ct))(Sw.data)
+    gw = jax.grad(lambda d: jnp.sum(jnp.sin(Sw.with_data(d).matmul_laid_out(vl)) * ct))(Sw.data)
     Aw = A if data is not None else A.with_data(jnp.ones(A.nnz))
     ref_gw = jax.grad(lambda d: jnp.sum(jnp.sin(Aw.with_data(d) @ v) * ct))(Aw.data)
     keep = S.data_order >= 0
@@ -101,11 +123,18 @@ def _segment_communication(mesh, idx, M, v):
         S = jaxcsr.shard(CSRMatrix.from_indices(idx, M), mesh, "d", balance=balance)
         vl = S.layout_values(v)
         assert vl.sharding == S.input_sharding
-        forward = collectives(lambda vl, S=S: S @ vl, vl)
-        backward = collectives(jax.grad(lambda vl, S=S: jnp.sum(jnp.sin(S @ vl))), vl)
+        forward = collectives(lambda vl, S=S: S.matmul_laid_out(vl), vl)
+        backward = collectives(
+            jax.grad(lambda vl, S=S: jnp.sum(jnp.sin(S.matmul_laid_out(vl)))), vl
+        )
         assert forward <= allowed and backward <= allowed, (balance, forward, backward)
-        assert (S.communication(3)["relayout"] > 0) == bool(forward)
-        assert S.communication(3)["gather_x"] == 0
+        cost = S.communication(3)
+        assert (cost["relayout"] > 0) == bool(forward)
+        assert cost["gather_x"] == 0
+        # values in input order, split evenly: laying them out moves what cost says
+        v_in = jax.device_put(v, S.input_sharding)
+        moved = collectives(lambda v, S=S: S @ v, v_in)
+        assert cost["layout"] > 0 and moved - allowed, (cost, moved)
 
 
 def check_spmm_form(mesh):
@@ -157,7 +186,9 @@ def check_empty_shards(mesh):
     S = jaxcsr.shard(A, mesh, "d")
     assert min(S.block_nnz) == 0
     v = rng.standard_normal((5, 2)).astype(np.float32)
-    np.testing.assert_allclose(np.asarray(S @ S.layout_values(v)), np.asarray(A @ v), rtol=1e-6)
+    laid = S.matmul_laid_out(S.layout_values(v))
+    np.testing.assert_allclose(np.asarray(laid), np.asarray(A @ v), rtol=1e-6)
+    np.testing.assert_allclose(np.asarray(S @ v), np.asarray(A @ v), rtol=1e-6)
     Z = jaxcsr.shard(CSRMatrix.from_scipy(sp.csr_array((7, 4))), mesh, "d")
     assert np.all(np.asarray(Z @ np.ones((4, 2), np.float32)) == 0)
 
@@ -168,8 +199,9 @@ def check_auto_axes(mesh):
     A = CSRMatrix.from_indices(idx, 4 * DEVICES + 1)
     S = jaxcsr.shard(A, mesh, "d")
     v = rng.standard_normal((1000, 2)).astype(np.float32)
-    y = jax.jit(lambda vl: S @ vl)(S.layout_values(v))
+    y = jax.jit(lambda vl: S.matmul_laid_out(vl))(S.layout_values(v))
     assert_close(y, segment_reference(v, idx, 4 * DEVICES + 1), np.float32)
+    assert_close(jax.jit(lambda v: S @ v)(v), y, np.float32)
     mat = random_csr(rng, 8 * DEVICES, 30, "power_law")
     SA = jaxcsr.shard(CSRMatrix.from_scipy(mat), mesh, "d")
     x = rng.standard_normal((30, 3)).astype(np.float32)
@@ -231,7 +263,7 @@ def check_compiles_per_structure(mesh):
 
         def step(S, v, form, traces=traces):
             traces[form] += 1
-            y = S @ v
+            y = S.matmul_laid_out(v) if form == "segment" else S @ v
             return 0.5 * jnp.sum(y * y)
 
         steps = {
