@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 from typing import Any, NamedTuple
 
 import jax
@@ -490,7 +491,7 @@ def plan_blocks(indptr: np.ndarray, shards: int, balance: str = "nnz") -> BlockP
 
 
 def _block_structure(
-    indptr: np.ndarray, indices: np.ndarray, blocks: BlockPlan, p: int, n: int, segment: bool
+    indptr: np.ndarray, indices: np.ndarray, blocks: BlockPlan, p: int, *, n: int, segment: bool
 ) -> Structure:
     """Host structure of block ``p``: its rows, empty rows up to the row capacity, then
     the trash row that holds the padding entries (so every block has one layout)."""
@@ -508,17 +509,64 @@ def _block_structure(
     return plan.general_structure(local_indptr.astype(np.int32), cols, shape)
 
 
-def _place_blocks(structures, backends, sharding) -> tuple[list[jax.Array], Any]:
-    """Plans every block for ``backends`` on the host and places block ``p``'s arrays on
-    device ``p`` (stacked along a leading shard axis). Returns the leaves and the treedef."""
-    indexes = [Index.planned(s, backends) for s in structures]
-    trees = {jax.tree_util.tree_structure(i) for i in indexes}
-    assert len(trees) == 1, "row blocks must share one static layout"
+def _place_blocks(block_structure, shards, backends, sharding) -> tuple[list[jax.Array], Any]:
+    """Plans block ``p`` (``block_structure(p)``, a host structure) for ``backends`` and
+    places its arrays on device ``p``, stacked along a leading shard axis. Only the
+    blocks of this process's devices are planned (``jax.make_array_from_callback``):
+    with several processes, each plans its own share. Returns the leaves and the
+    treedef."""
+    planned: dict[int, list[np.ndarray]] = {}
+
+    def leaves_of(p: int) -> list[np.ndarray]:
+        if p not in planned:
+            index = Index.planned(block_structure(p), backends)
+            planned[p] = [np.asarray(x) for x in jax.tree_util.tree_leaves(index)]
+        return planned[p]
+
+    local = sorted({int(i) for d in sharding.addressable_devices for i in _block_ids(sharding, d)})
+    template = Index.planned(block_structure(local[0]), backends)
+    tree = jax.tree_util.tree_structure(template)
+    shapes = [np.asarray(x).shape for x in jax.tree_util.tree_leaves(template)]
+
+    def stacked(k: int, index) -> np.ndarray:
+        blocks = range(shards)[index[0]]
+        return np.stack([leaves_of(p)[k] for p in blocks])
+
     leaves = [
-        jax.device_put(np.stack([np.asarray(x) for x in parts]), sharding)
-        for parts in zip(*(jax.tree_util.tree_leaves(i) for i in indexes), strict=True)
+        jax.make_array_from_callback((shards, *shape), sharding, functools.partial(stacked, k))
+        for k, shape in enumerate(shapes)
     ]
-    return leaves, trees.pop()
+    return leaves, tree
+
+
+def _block_ids(sharding: NamedSharding, device) -> range:
+    """The blocks (rows of a ``(shards, ...)`` array) that ``device`` holds."""
+    shards = int(sharding.mesh.shape[sharding.spec[0]])
+    index = sharding.addressable_devices_indices_map((shards,))[device][0]
+    return range(shards)[index]
+
+
+def _check_same_everywhere(indptr: np.ndarray, indices: np.ndarray, shape) -> None:
+    """With several processes, every one must pass the same matrix: compares digests of
+    the structure across processes (one small all-gather), before any block is placed,
+    so that a mismatch is an error rather than a wrong product or a hang. Values stay
+    on the device and are not compared."""
+    if jax.process_count() == 1:
+        return
+    from jax.experimental import multihost_utils
+
+    digest = hashlib.blake2b(digest_size=16)
+    digest.update(np.asarray(shape, np.int64).tobytes())
+    for part in (indptr, indices):
+        digest.update(np.ascontiguousarray(part, np.int64).tobytes())
+    words = np.frombuffer(digest.digest(), np.uint32)
+    every = np.asarray(multihost_utils.process_allgather(words)).reshape(-1, words.size)
+    if not (every == every[0]).all():
+        raise ValueError(
+            "jaxcsr.shard: the matrices passed to shard differ between processes "
+            f"(structure digests of {jax.process_count()} processes disagree); every "
+            "process must build the same matrix (same ids and shape)"
+        )
 
 
 def shard(
@@ -570,10 +618,15 @@ def shard(
     shards = int(mesh.shape[axis])
     m, n = A.shape
     indptr, indices = plan.host_csr(A.host_structure)
+    _check_same_everywhere(indptr, indices, A.shape)
     blocks = plan_blocks(indptr, shards, balance)
-    structures = [_block_structure(indptr, indices, blocks, p, n, segment) for p in range(shards)]
     sharding = NamedSharding(mesh, P(axis))
-    leaves, index_tree = _place_blocks(structures, A.backends, sharding)
+    leaves, index_tree = _place_blocks(
+        functools.partial(_block_structure, indptr, indices, blocks, n=n, segment=segment),
+        shards,
+        A.backends,
+        sharding,
+    )
     k_b, data_order = blocks.block_cols, blocks.data_order
     if segment:  # a column of a one-per-column matrix is its entry's input position
         columns_of = indices.astype(np.int64)
