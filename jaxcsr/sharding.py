@@ -49,6 +49,7 @@ __all__ = [
     "ShardedCSR",
     "balanced_row_blocks",
     "block_capacity",
+    "block_sizes",
     "plan_blocks",
     "shard",
 ]
@@ -467,6 +468,20 @@ def plan_blocks(indptr: np.ndarray, shards: int, balance: str = "nnz") -> BlockP
     structures of equal shape and nnz whose blocks fit the same steps share one
     compilation.
     """
+    indptr = np.asarray(indptr).astype(np.int64)
+    starts, block_nnz, block_rows, k_b = block_sizes(indptr, shards, balance)
+    data_order = np.full((shards, k_b), -1, np.int64)
+    for p in range(shards):
+        lo, hi = int(indptr[starts[p]]), int(indptr[starts[p + 1]])
+        data_order[p, : hi - lo] = np.arange(lo, hi)
+    return BlockPlan(starts, block_nnz, int(block_rows), int(k_b), data_order)
+
+
+def block_sizes(
+    indptr: np.ndarray, shards: int, balance: str = "nnz"
+) -> tuple[np.ndarray, np.ndarray, int, int]:
+    """:func:`plan_blocks` without the per-slot map: ``(row_starts, block_nnz,
+    block_rows, block_cols)``, ``O(m)`` memory (what a scale study needs)."""
     if balance not in BALANCES:
         raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
     indptr = np.asarray(indptr).astype(np.int64)
@@ -483,11 +498,7 @@ def plan_blocks(indptr: np.ndarray, shards: int, balance: str = "nnz") -> BlockP
     largest = int(block_nnz.max(initial=0))
     balanced_nnz = int(np.ceil(SLACK * nnz / shards))
     k_b = min(block_capacity(largest, balanced_nnz, NNZ_STEPS), max(nnz, largest))
-    data_order = np.full((shards, k_b), -1, np.int64)
-    for p in range(shards):
-        lo, hi = int(indptr[starts[p]]), int(indptr[starts[p + 1]])
-        data_order[p, : hi - lo] = np.arange(lo, hi)
-    return BlockPlan(starts, block_nnz, int(block_rows), int(k_b), data_order)
+    return starts, block_nnz, int(block_rows), int(k_b)
 
 
 def _block_structure(
