@@ -223,3 +223,16 @@ def test_per_batch_benchmark_checks_and_writes(tmp_path):
     assert result["training"][0]["loss_difference"] < 1e-4
     assert result["planning"][0]["structure"] > 0
     assert "jraph-style training step" in (tmp_path / "per_batch.md").read_text()
+
+
+def test_sharded_scale_table(tmp_path):
+    from benchmarks.studies import sharded_scale
+
+    argv = ["--edges", "2e5", "--nodes", "1e4", "--devices", "4,64", "--out", str(tmp_path)]
+    result = sharded_scale.main(argv)
+    four, many = result["rows"]
+    # more devices: smaller blocks and outputs, never below the largest row
+    assert many["block_entries"] <= four["block_entries"]
+    assert many["block_entries"] >= many["largest_row"]
+    assert many["output_bytes"] < four["output_bytes"]
+    assert "entry slots per block" in (tmp_path / "sharded_scale.md").read_text()
