@@ -192,7 +192,10 @@ class ShardedCSR(SparseOperand):
     outside ``jax.jit``, differentiable w.r.t. ``x`` and the values.
     """
 
-    def __init__(self, index_leaves, data, send, recv, layout: _Layout, plan_: _Plan):
+    def __init__(
+        self, index_leaves, data, send, recv, layout: _Layout, plan_: _Plan, host_layout=None
+    ):
+        self._host_layout = host_layout  # numpy copies of layout (not leaves): see _meta
         self._index_leaves = tuple(index_leaves)
         self._data = data
         self._send, self._recv = send, recv  # the relayout's row maps (None: aligned)
@@ -247,13 +250,13 @@ class ShardedCSR(SparseOperand):
     @property
     def row_starts(self) -> tuple[int, ...]:
         """First row of each device's block (and ``m``). Host metadata: outside ``jit``."""
-        return tuple(int(r) for r in _on_host(self._layout.row_starts, "row_starts"))
+        return tuple(int(r) for r in self._meta("row_starts"))
 
     @property
     def block_nnz(self) -> tuple[int, ...]:
         """Nonzeros of each device's block (at most the capacity, ``shape[1] /
         num_shards`` in the segment form). Host metadata: outside ``jit``."""
-        return tuple(int(k) for k in _on_host(self._layout.block_nnz, "block_nnz"))
+        return tuple(int(k) for k in self._meta("block_nnz"))
 
     @property
     def imbalance(self) -> float:
@@ -283,12 +286,19 @@ class ShardedCSR(SparseOperand):
         """Segment form: for each laid-out column, the input position (``idx`` index)
         of its edge, ``-1`` for padding. ``S @ v`` lays input-order values out with it
         inside the product; :meth:`layout_values` does it once, on the host."""
-        return _on_host(self._layout.input_order, "input_order")
+        return self._meta("input_order")
 
     @property
     def data_order(self) -> np.ndarray:
         """For each laid-out value, its position in ``A.data`` (``-1``: padding)."""
-        return _on_host(self._layout.data_order, "data_order")
+        return self._meta("data_order")
+
+    def _meta(self, name: str) -> np.ndarray:
+        """Host metadata of the layout: the numpy copy ``shard`` kept (it also serves
+        processes that hold only some of the devices), else read from the device."""
+        if self._host_layout is not None:
+            return getattr(self._host_layout, name)
+        return _on_host(getattr(self._layout, name), name)
 
     def __repr__(self) -> str:
         if is_traced(self._layout.block_nnz):
@@ -329,7 +339,15 @@ class ShardedCSR(SparseOperand):
         if data.shape != (size,):
             raise ValueError(f"data must have shape ({size},) (laid out), got {data.shape}")
         plan_ = dataclasses.replace(self._plan, has_data=True)
-        return ShardedCSR(self._index_leaves, data, self._send, self._recv, self._layout, plan_)
+        return ShardedCSR(
+            self._index_leaves,
+            data,
+            self._send,
+            self._recv,
+            self._layout,
+            plan_,
+            self._host_layout,
+        )
 
     # ------------------------------------------------------------- products
     def __matmul__(self, x: Any) -> jax.Array:
@@ -647,11 +665,17 @@ def shard(
         input_order = np.full(shards * k_b, -1, np.int64)
         layout_size = n
     replicated = NamedSharding(mesh, P())
+    host_layout = _Layout(
+        row_starts=blocks.row_starts.astype(np.int32),
+        block_nnz=blocks.block_nnz.astype(np.int32),
+        input_order=input_order.astype(np.int32),
+        data_order=data_order.ravel().astype(np.int32),
+    )
     layout = _Layout(
-        row_starts=jax.device_put(blocks.row_starts.astype(np.int32), replicated),
-        block_nnz=jax.device_put(blocks.block_nnz.astype(np.int32), replicated),
-        input_order=jax.device_put(input_order.astype(np.int32), sharding),
-        data_order=jax.device_put(data_order.ravel().astype(np.int32), sharding),
+        row_starts=jax.device_put(host_layout.row_starts, replicated),
+        block_nnz=jax.device_put(host_layout.block_nnz, replicated),
+        input_order=jax.device_put(host_layout.input_order, sharding),
+        data_order=jax.device_put(host_layout.data_order, sharding),
     )
     laid_data = None
     if A.data is not None:  # laid out on the device: the values never visit the host
@@ -679,7 +703,7 @@ def shard(
         send, recv = jax.device_put(send, sharding), jax.device_put(recv, sharding)
     else:
         send = recv = None
-    return ShardedCSR(leaves, laid_data, send, recv, layout, plan_)
+    return ShardedCSR(leaves, laid_data, send, recv, layout, plan_, host_layout)
 
 
 def _relayout_plan(starts, m, block_rows, shards, balance):
