@@ -7,8 +7,8 @@ import os
 import numpy as np
 import pytest
 
-# run as a script in its own process (it forces CPU devices before importing jax)
-collect_ignore = ["sharding_checks.py"]
+# run as scripts in their own processes (they force CPU devices before importing jax)
+collect_ignore = ["sharding_checks.py", "multiprocess_checks.py"]
 
 
 @pytest.fixture
