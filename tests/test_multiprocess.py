@@ -28,8 +28,8 @@ def _run_processes(*extra: str) -> list[str]:
     procs = [
         subprocess.Popen(
             [sys.executable, str(CHECKS), str(i), str(PROCESSES), port, *extra],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
+            stdout=subprocess.PIPE,  # the checks' lines; gloo logs to stderr at any time
+            stderr=subprocess.PIPE,
             text=True,
         )
         for i in range(PROCESSES)
@@ -37,9 +37,9 @@ def _run_processes(*extra: str) -> list[str]:
     outputs = []
     try:
         for proc in procs:
-            out, _ = proc.communicate(timeout=TIMEOUT_S)
+            out, err = proc.communicate(timeout=TIMEOUT_S)
             outputs.append(out)
-            assert proc.returncode == 0, out[-4000:]
+            assert proc.returncode == 0, (out + err)[-4000:]
     finally:
         for proc in procs:
             if proc.poll() is None:
@@ -52,7 +52,7 @@ def _run_processes(*extra: str) -> list[str]:
 def test_two_processes(extra):
     outputs = _run_processes(*extra)
     for out in outputs:
-        assert out.strip().endswith("ok"), out[-2000:]
+        assert "ok" in out.splitlines(), out[-2000:]  # the checks' last line
         if extra:
             assert "mismatch refused" in out
     if not extra:  # both processes saw the same loss curve (equal to 1e-5 inside)
