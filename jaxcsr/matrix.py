@@ -192,52 +192,38 @@ class CSRMatrix(SparseOperand):
         structure: Structure,
         data: Any | None,
         backends: Any,
-        input_order: np.ndarray | None = None,
+        input_order: Any | None = None,
         *,
-        data_order: np.ndarray | None = None,
+        data_order: Any | None = None,
         input_order_is_columns: bool = False,
+        on_device: bool = False,
     ) -> CSRMatrix:
-        """Plans the requested backends on a host structure and moves all to the device.
+        """Plans the requested backends on ``structure`` and moves all to the device.
 
-        ``data`` comes in input order and is stored as ``data[data_order]``
-        (``data_order`` defaults to ``input_order``, the stored map).
+        A host structure (numpy leaves) gets the backends' host plans and is kept as
+        :attr:`host_structure`; one planned on the device (``on_device``: traced ids)
+        gets their device plans and no host structure. ``data`` comes in input order
+        and is stored as ``data[data_order]`` (``data_order`` defaults to
+        ``input_order``, the stored map).
         """
         if data is not None:  # checked before any planning or device work
             data = _check_values(data, structure.nnz, "data")
-        index = _to_device(Index.planned(structure, backends))
+        if on_device:
+            index, order = Index.planned_on_device(structure, backends), input_order
+        else:
+            index = _to_device(Index.planned(structure, backends))
+            order = None if input_order is None else _to_device(input_order)
         if data is not None:
             data_order = input_order if data_order is None else data_order
             if data_order is not None:
                 data = data[data_order]
-        order = None if input_order is None else _to_device(input_order)
         return cls(
             data,
             index,
             order,
             input_order_is_columns=input_order_is_columns,
-            host_structure=structure,
+            host_structure=None if on_device else structure,
         )
-
-    @classmethod
-    def _planned_on_device(
-        cls,
-        structure: Structure,
-        data: Any | None,
-        backends: Any,
-        input_order: jax.Array | None = None,
-        *,
-        data_order: jax.Array | None = None,
-        input_order_is_columns: bool = False,
-    ) -> CSRMatrix:
-        """:meth:`_planned` for a structure planned on the device (traced ids): the
-        backends' device plans, no host structure, values permuted on the device."""
-        if data is not None:
-            data = _check_values(data, structure.nnz, "data")
-        index = Index.planned_on_device(structure, backends)
-        data_order = input_order if data_order is None else data_order
-        if data is not None and data_order is not None:
-            data = data[data_order]
-        return cls(data, index, input_order, input_order_is_columns=input_order_is_columns)
 
     @classmethod
     def _from_host_csr(
@@ -308,8 +294,13 @@ class CSRMatrix(SparseOperand):
             num_rows = check_index_range(check_size(num_rows, "num_rows"), "num_rows")
             idx = check_traced_ids(idx, "idx")
             structure = device_plan.segment_structure(idx, num_rows, sorted_ids=indices_are_sorted)
-            return cls._planned_on_device(
-                structure, data, backends, data_order=structure.indices, input_order_is_columns=True
+            return cls._planned(
+                structure,
+                data,
+                backends,
+                data_order=structure.indices,
+                input_order_is_columns=True,
+                on_device=True,
             )
         idx, num_rows = check_segment_ids(idx, num_rows)
         structure = plan.structure_from_segment_ids(idx, num_rows)
@@ -354,7 +345,7 @@ class CSRMatrix(SparseOperand):
                     f"row and col must have the same length, got {row.size} and {col.size}"
                 )
             structure, order = device_plan.coo_structure(row, col, shape)
-            return cls._planned_on_device(structure, data, backends, order)
+            return cls._planned(structure, data, backends, order, on_device=True)
         row, col = check_coo(row, col, shape)
         indptr, indices, order = plan.coo_to_csr(row, col, shape)
         return cls._from_host_csr(indptr, indices, data, shape, backends, order)

@@ -210,13 +210,9 @@ def _reduce(data, segment_ids, num_segments, sorted_ids, mode, axis, return_arg,
     return jnp.moveaxis(result, 0, axis)
 
 
-def _softmax_parts(logits, segment_ids, num_segments, sorted_ids, axis, impl):
-    """``(A, axis, shifted, exp(shifted), total, peak, input dtype)`` of a stable softmax.
-
-    ``shifted`` is each logit minus its segment's (finite) max ``peak``; ``total`` the
-    per-segment sum of ``exp(shifted)``; all in float32 or wider.
-    """
-    A, x, axis = _prepare(
+def _prepare_logits(logits, segment_ids, num_segments, sorted_ids, axis, impl) -> tuple:
+    """:func:`_prepare` for the softmax family: floating ``logits``, no ``mode``."""
+    return _prepare(
         logits,
         segment_ids,
         num_segments,
@@ -227,6 +223,15 @@ def _softmax_parts(logits, segment_ids, num_segments, sorted_ids, axis, impl):
         floating=True,
         sorted_ids=sorted_ids,
     )
+
+
+def _softmax_parts(logits, segment_ids, num_segments, sorted_ids, axis, impl):
+    """``(A, axis, shifted, exp(shifted), total, peak, input dtype)`` of a stable softmax.
+
+    ``shifted`` is each logit minus its segment's (finite) max ``peak``; ``total`` the
+    per-segment sum of ``exp(shifted)``; all in float32 or wider.
+    """
+    A, x, axis = _prepare_logits(logits, segment_ids, num_segments, sorted_ids, axis, impl)
     dtype = x.dtype
     x = x.astype(jnp.promote_types(dtype, jnp.float32))
     return (A, axis, *shifted_exp(x, A, impl), dtype)
@@ -294,17 +299,7 @@ def segment_softmax(logits: Any, segment_ids: Any, num_segments: Size = None,
       >>> [round(float(v), 4) for v in out]
       [0.2689, 0.7311, 1.0]
     """
-    A, x, axis = _prepare(
-        logits,
-        segment_ids,
-        num_segments,
-        None,
-        axis,
-        impl,
-        name="logits",
-        floating=True,
-        sorted_ids=indices_are_sorted,
-    )
+    A, x, axis = _prepare_logits(logits, segment_ids, num_segments, indices_are_sorted, axis, impl)
     return jnp.moveaxis(softmax_over_rows(x, A, impl, name="logits"), 0, axis)
 
 

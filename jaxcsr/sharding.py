@@ -545,17 +545,17 @@ def _place_blocks(block_structure, shards, backends, sharding) -> tuple[list[jax
     with several processes, each plans its own share. Returns the leaves and the
     treedef."""
     planned: dict[int, list[np.ndarray]] = {}
+    trees = set()
 
     def leaves_of(p: int) -> list[np.ndarray]:
         if p not in planned:
-            index = Index.planned(block_structure(p), backends)
-            planned[p] = [np.asarray(x) for x in jax.tree_util.tree_leaves(index)]
+            leaves, tree = jax.tree_util.tree_flatten(Index.planned(block_structure(p), backends))
+            planned[p] = [np.asarray(x) for x in leaves]
+            trees.add(tree)
         return planned[p]
 
     local = sorted({int(i) for d in sharding.addressable_devices for i in _block_ids(sharding, d)})
-    template = Index.planned(block_structure(local[0]), backends)
-    tree = jax.tree_util.tree_structure(template)
-    shapes = [np.asarray(x).shape for x in jax.tree_util.tree_leaves(template)]
+    shapes = [x.shape for x in leaves_of(local[0])]  # every block has one static layout
 
     def stacked(k: int, index) -> np.ndarray:
         blocks = range(shards)[index[0]]
@@ -565,7 +565,8 @@ def _place_blocks(block_structure, shards, backends, sharding) -> tuple[list[jax
         jax.make_array_from_callback((shards, *shape), sharding, functools.partial(stacked, k))
         for k, shape in enumerate(shapes)
     ]
-    return leaves, tree
+    assert len(trees) == 1, "row blocks must share one static layout"
+    return leaves, trees.pop()
 
 
 def _block_ids(sharding: NamedSharding, device) -> range:
