@@ -101,6 +101,16 @@ def errors(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def write_study(out_dir: Path, stem: str, result: dict[str, Any], text: str) -> Path:
+    """A study's ``<stem>.json`` (the result) and ``<stem>.md`` (``text``) in
+    ``out_dir``; returns the markdown's path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / f"{stem}.json").write_text(json.dumps(result, indent=2))
+    path = out_dir / f"{stem}.md"
+    path.write_text(text)
+    return path
+
+
 def write_outputs(result: dict[str, Any], out_dir: Path, systems: list[str]) -> list[Path]:
     """Writes ``results.json``, ``results.md`` and (with matplotlib) ``speedup.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)

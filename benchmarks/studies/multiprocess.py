@@ -129,9 +129,9 @@ def main(argv=None) -> dict:
         "two_processes": run(2, args.features, args.repeats),
         "command": "python -m benchmarks.studies.multiprocess " + " ".join(argv or []),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "multiprocess.json").write_text(json.dumps(result, indent=2))
-    (args.out / "multiprocess.md").write_text(markdown(result))
+    from benchmarks import report  # not at the top: see the module docstring
+
+    report.write_study(args.out, "multiprocess", result, markdown(result))
     print(markdown(result))
     return result
 

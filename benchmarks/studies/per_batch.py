@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import platform
 from pathlib import Path
 
@@ -33,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcsr
-from benchmarks import measure
+from benchmarks import measure, report
 from benchmarks.datasets import load_graph
 from jaxcsr import device_plan
 from jaxcsr.kernels import gpu, tpu
@@ -377,10 +376,7 @@ def main(argv=None) -> dict:
             "command": "python -m benchmarks.studies.per_batch " + " ".join(argv or []),
         },
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "per_batch.json").write_text(json.dumps(result, indent=2))
-    (args.out / "per_batch.md").write_text(markdown(result))
-    print(f"wrote {args.out / 'per_batch.md'}")
+    print(f"wrote {report.write_study(args.out, 'per_batch', result, markdown(result))}")
     return result
 
 

@@ -21,11 +21,11 @@ Writes ``sharded_scale.json`` and ``sharded_scale.md`` to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import numpy as np
 
+from benchmarks import report
 from jaxcsr.sharding import _relayout_rows, _rows_per_part, block_sizes
 
 
@@ -116,10 +116,7 @@ def main(argv=None) -> dict:
         "rows": rows(indptr, devices, args.features),
         "command": "python -m benchmarks.studies.sharded_scale " + " ".join(argv or []),
     }
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "sharded_scale.json").write_text(json.dumps(result, indent=2))
-    (args.out / "sharded_scale.md").write_text(markdown(result))
-    print(f"wrote {args.out / 'sharded_scale.md'}")
+    print(f"wrote {report.write_study(args.out, 'sharded_scale', result, markdown(result))}")
     return result
 
 
