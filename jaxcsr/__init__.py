@@ -22,7 +22,7 @@ from jaxcsr.segment import (
     segment_softmax,
     segment_sum,
 )
-from jaxcsr.sharding import ShardedCSR, shard
+from jaxcsr.sharding import ShardedCSR, shard, shard_rows
 from jaxcsr.softmax import edge_softmax
 
 __version__ = "0.2.0"
@@ -47,4 +47,5 @@ __all__ = [
     "segment_softmax",
     "segment_sum",
     "shard",
+    "shard_rows",
 ]

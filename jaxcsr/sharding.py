@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
@@ -42,7 +43,14 @@ from jaxcsr import plan
 from jaxcsr.matrix import CSRMatrix, SparseOperand, matmul
 from jaxcsr.ops import Index
 from jaxcsr.structure import Structure
-from jaxcsr.validation import is_traced
+from jaxcsr.validation import (
+    as_host_int_array,
+    check_index_range,
+    check_numeric_dtype,
+    check_range,
+    check_size,
+    is_traced,
+)
 
 __all__ = [
     "BlockPlan",
@@ -52,6 +60,7 @@ __all__ = [
     "block_sizes",
     "plan_blocks",
     "shard",
+    "shard_rows",
 ]
 
 BALANCES = ("nnz", "rows")
@@ -172,6 +181,31 @@ class _Layout(NamedTuple):
     block_nnz: jax.Array  # (shards,) nonzeros of each block, replicated
     input_order: jax.Array  # (shards * K_b,) input position per laid-out column, -1: pad
     data_order: jax.Array  # (shards * K_b,) position in A.data per laid-out value, -1: pad
+
+
+@dataclasses.dataclass(frozen=True)
+class _HostLayout:
+    """Numpy copies of the layout metadata (not leaves). ``orders`` maps each block
+    this host knows (all of them for :func:`shard`; this process's own for
+    :func:`shard_rows`) to its ``(input_order, data_order)`` slots."""
+
+    row_starts: np.ndarray
+    block_nnz: np.ndarray
+    orders: dict[int, tuple[np.ndarray, np.ndarray]]
+
+    def order(self, name: str) -> np.ndarray:
+        shards = self.block_nnz.size
+        missing = sorted(set(range(shards)) - set(self.orders))
+        if missing:
+            raise ValueError(
+                f"S.{name} of blocks {missing} is not on this host (shard_rows loaded only "
+                f"this process's blocks, {sorted(self.orders)})"
+            )
+        which = ("input_order", "data_order").index(name)
+        return np.concatenate([self.orders[p][which] for p in range(shards)])
+
+    def block_order(self, p: int, name: str) -> np.ndarray:
+        return self.orders[p][("input_order", "data_order").index(name)]
 
 
 def _on_host(leaf: Any, name: str) -> np.ndarray:
@@ -296,9 +330,11 @@ class ShardedCSR(SparseOperand):
     def _meta(self, name: str) -> np.ndarray:
         """Host metadata of the layout: the numpy copy ``shard`` kept (it also serves
         processes that hold only some of the devices), else read from the device."""
-        if self._host_layout is not None:
-            return getattr(self._host_layout, name)
-        return _on_host(getattr(self._layout, name), name)
+        if self._host_layout is None:
+            return _on_host(getattr(self._layout, name), name)
+        if name in ("input_order", "data_order"):
+            return self._host_layout.order(name)
+        return getattr(self._host_layout, name)
 
     def __repr__(self) -> str:
         if is_traced(self._layout.block_nnz):
@@ -314,23 +350,35 @@ class ShardedCSR(SparseOperand):
         """Per-edge values in input order ``(K, ...)`` -> laid out ``(layout_size, ...)``
         (zeros in padding slots), placed as :attr:`input_sharding`. Host-side, once:
         for :meth:`matmul_laid_out`, and for per-edge inputs (senders, edge features)
-        from which a jitted step computes its messages already in the layout."""
+        from which a jitted step computes its messages already in the layout. With
+        several processes each fills only its own devices' blocks."""
         if self.form != "segment":
             raise ValueError("layout_values is for the segment form (from_indices)")
-        return self._lay_out(values, self.input_order, "values")
+        return self._lay_out(values, "input_order", "values", self.shape[1])
 
     def layout_data(self, data: Any) -> jax.Array:
         """``A.data``-ordered values ``(nnz,)`` -> :attr:`data`'s layout, placed."""
-        return self._lay_out(data, self.data_order, "data")
+        return self._lay_out(data, "data_order", "data", sum(self.block_nnz))
 
-    def _lay_out(self, values, order, name):
+    def _lay_out(self, values, order_name, name, expected):
         values = np.asarray(values)
-        expected = int((order >= 0).sum())
         if values.ndim == 0 or values.shape[0] != expected:
             raise ValueError(f"{name} must have {expected} rows, got shape {values.shape}")
-        out = np.zeros((order.size, *values.shape[1:]), values.dtype)
-        out[order >= 0] = values[order[order >= 0]]
-        return jax.device_put(out, self.input_sharding)
+        if self._host_layout is None:
+            whole = self._meta(order_name).reshape(self.num_shards, -1)
+            orders = {p: whole[p] for p in range(self.num_shards)}
+        else:
+            orders = {
+                p: self._host_layout.block_order(p, order_name) for p in self._host_layout.orders
+            }
+
+        def block(p: int) -> np.ndarray:
+            order = orders[p]
+            out = np.zeros((order.size, *values.shape[1:]), values.dtype)
+            out[order >= 0] = values[order[order >= 0]]
+            return out
+
+        return _from_blocks(block, self.num_shards, self.input_sharding)
 
     def with_data(self, data: Any) -> ShardedCSR:
         """Same structure, new laid-out values ``(len(S.data_order),)`` (may be traced)."""
@@ -519,54 +567,101 @@ def block_sizes(
     return starts, block_nnz, int(block_rows), int(k_b)
 
 
-def _block_structure(
-    indptr: np.ndarray, indices: np.ndarray, blocks: BlockPlan, p: int, *, n: int, segment: bool
-) -> Structure:
-    """Host structure of block ``p``: its rows, empty rows up to the row capacity, then
-    the trash row that holds the padding entries (so every block has one layout)."""
-    starts, k_b = blocks.row_starts, blocks.block_cols
-    lo, hi = int(indptr[starts[p]]), int(indptr[starts[p + 1]])
-    own = indptr[starts[p] : starts[p + 1] + 1].astype(np.int64) - lo
-    empty = np.full(blocks.block_rows - (starts[p + 1] - starts[p]), hi - lo)
-    local_indptr = np.concatenate([own, empty, [k_b]])
-    if segment:  # the block's columns are its own entries, in order
-        ids = plan.row_ids(local_indptr.astype(np.int32))
-        return plan.structure_from_segment_ids(ids, blocks.block_rows + 1)
-    cols = np.zeros(k_b, np.int32)
-    cols[: hi - lo] = indices[lo:hi]
-    shape = (blocks.block_rows + 1, n)
-    return plan.general_structure(local_indptr.astype(np.int32), cols, shape)
+class _RowBlocks:
+    """The padded row blocks of one matrix, each built when first asked for.
+
+    ``columns(lo, hi)`` gives the column indices (and values, or ``None``) of rows
+    ``lo:hi`` in row order; it is called only for the blocks a caller reads, so a
+    process that places only its own devices' blocks reads only its rows."""
+
+    def __init__(self, indptr: np.ndarray, sizes, columns: Callable, *, n: int, segment: bool):
+        self.indptr = indptr  # (m + 1,) int64, the whole matrix's
+        self.row_starts, self.block_nnz, self.block_rows, self.block_cols = sizes
+        self.shards = len(self.row_starts) - 1
+        self.n, self.segment = n, segment
+        self._columns = columns
+        self._loaded: dict[int, tuple[np.ndarray, np.ndarray | None]] = {}
+
+    def entries(self, p: int) -> tuple[np.ndarray, np.ndarray | None]:
+        """Columns and values of block ``p``'s stored entries (unpadded)."""
+        if p not in self._loaded:
+            lo, hi = int(self.row_starts[p]), int(self.row_starts[p + 1])
+            self._loaded[p] = self._columns(lo, hi)
+        return self._loaded[p]
+
+    def _padded(self, values: np.ndarray, fill, dtype) -> np.ndarray:
+        out = np.full(self.block_cols, fill, dtype)
+        out[: len(values)] = values
+        return out
+
+    def data_order(self, p: int) -> np.ndarray:
+        """``(K_b,)`` position in the whole matrix's CSR order per slot, -1: padding."""
+        lo, hi = self.indptr[self.row_starts[p]], self.indptr[self.row_starts[p + 1]]
+        return self._padded(np.arange(lo, hi), -1, np.int32)
+
+    def input_order(self, p: int) -> np.ndarray:
+        """``(K_b,)`` segment form: the input position (column) per slot, -1: padding."""
+        return self._padded(self.entries(p)[0] if self.segment else [], -1, np.int32)
+
+    def values(self, p: int, dtype) -> np.ndarray:
+        return self._padded(self.entries(p)[1], 0, dtype)
+
+    def structure(self, p: int) -> Structure:
+        """Host structure of block ``p``: its rows, empty rows up to the row capacity,
+        then the trash row that holds the padding entries (one layout for every
+        block)."""
+        starts, k_b = self.row_starts, self.block_cols
+        lo = int(self.indptr[starts[p]])
+        own = self.indptr[starts[p] : starts[p + 1] + 1] - lo
+        empty = np.full(self.block_rows - (starts[p + 1] - starts[p]), own[-1])
+        local_indptr = np.concatenate([own, empty, [k_b]]).astype(np.int32)
+        if self.segment:  # the block's columns are its own entries, in order
+            ids = plan.row_ids(local_indptr)
+            return plan.structure_from_segment_ids(ids, self.block_rows + 1)
+        cols = self._padded(self.entries(p)[0], 0, np.int32)
+        return plan.general_structure(local_indptr, cols, (self.block_rows + 1, self.n))
 
 
-def _place_blocks(block_structure, shards, backends, sharding) -> tuple[list[jax.Array], Any]:
-    """Plans block ``p`` (``block_structure(p)``, a host structure) for ``backends`` and
-    places its arrays on device ``p``, stacked along a leading shard axis. Only the
-    blocks of this process's devices are planned (``jax.make_array_from_callback``):
-    with several processes, each plans its own share. Returns the leaves and the
-    treedef."""
+def _from_blocks(block: Callable[[int], np.ndarray], shards: int, sharding) -> jax.Array:
+    """A ``(shards * len(b), ...)`` array sharded as ``sharding`` whose rows are the
+    blocks ``block(p)``; only this process's devices' blocks are computed."""
+    first = block(_local_blocks(sharding)[0])
+
+    def rows(index) -> np.ndarray:
+        size = first.shape[0]
+        if size == 0:  # empty blocks (no entries): nothing to compute
+            return first
+        lo, hi, _ = index[0].indices(shards * size)
+        return np.concatenate([block(p) for p in range(lo // size, hi // size)])
+
+    return jax.make_array_from_callback((shards * first.shape[0], *first.shape[1:]), sharding, rows)
+
+
+def _place_index(blocks: _RowBlocks, backends, sharding) -> tuple[list[jax.Array], Any]:
+    """Plans every block of this process's devices for ``backends`` (each block once)
+    and places its arrays on its device, stacked along a leading shard axis. Returns
+    the leaves and the treedef (every block has one static layout)."""
     planned: dict[int, list[np.ndarray]] = {}
     trees = set()
 
     def leaves_of(p: int) -> list[np.ndarray]:
         if p not in planned:
-            leaves, tree = jax.tree_util.tree_flatten(Index.planned(block_structure(p), backends))
-            planned[p] = [np.asarray(x) for x in leaves]
+            leaves, tree = jax.tree_util.tree_flatten(Index.planned(blocks.structure(p), backends))
+            planned[p] = [np.asarray(x)[None] for x in leaves]
             trees.add(tree)
         return planned[p]
 
-    local = sorted({int(i) for d in sharding.addressable_devices for i in _block_ids(sharding, d)})
-    shapes = [x.shape for x in leaves_of(local[0])]  # every block has one static layout
-
-    def stacked(k: int, index) -> np.ndarray:
-        blocks = range(shards)[index[0]]
-        return np.stack([leaves_of(p)[k] for p in blocks])
-
+    count = len(leaves_of(_local_blocks(sharding)[0]))
     leaves = [
-        jax.make_array_from_callback((shards, *shape), sharding, functools.partial(stacked, k))
-        for k, shape in enumerate(shapes)
+        _from_blocks(lambda p, k=k: leaves_of(p)[k], blocks.shards, sharding) for k in range(count)
     ]
     assert len(trees) == 1, "row blocks must share one static layout"
     return leaves, trees.pop()
+
+
+def _local_blocks(sharding: NamedSharding) -> list[int]:
+    """The blocks (rows of a ``(shards, ...)`` array) this process's devices hold."""
+    return sorted({int(p) for d in sharding.addressable_devices for p in _block_ids(sharding, d)})
 
 
 def _block_ids(sharding: NamedSharding, device) -> range:
@@ -576,27 +671,31 @@ def _block_ids(sharding: NamedSharding, device) -> range:
     return range(shards)[index]
 
 
-def _check_same_everywhere(indptr: np.ndarray, indices: np.ndarray, shape) -> None:
-    """With several processes, every one must pass the same matrix: compares digests of
-    the structure across processes (one small all-gather), before any block is placed,
-    so that a mismatch is an error rather than a wrong product or a hang. Values stay
-    on the device and are not compared."""
+def _check_same_everywhere(parts: list[np.ndarray], message: str) -> None:
+    """With several processes, compares a digest of ``parts`` across processes (one
+    small all-gather) before any block is placed, so that processes that were given
+    different inputs get ``ValueError(message)`` rather than a wrong product or a
+    hang."""
     if jax.process_count() == 1:
         return
     from jax.experimental import multihost_utils
 
     digest = hashlib.blake2b(digest_size=16)
-    digest.update(np.asarray(shape, np.int64).tobytes())
-    for part in (indptr, indices):
+    for part in parts:
         digest.update(np.ascontiguousarray(part, np.int64).tobytes())
     words = np.frombuffer(digest.digest(), np.uint32)
     every = np.asarray(multihost_utils.process_allgather(words)).reshape(-1, words.size)
     if not (every == every[0]).all():
-        raise ValueError(
-            "jaxcsr.shard: the matrices passed to shard differ between processes "
-            f"(structure digests of {jax.process_count()} processes disagree); every "
-            "process must build the same matrix (same ids and shape)"
-        )
+        raise ValueError(f"{message} (digests of {jax.process_count()} processes disagree)")
+
+
+def _check_mesh(mesh, axis: str, form, balance: str) -> None:
+    if form not in (None, "segment", "spmm"):
+        raise ValueError(f"form must be None, 'segment' or 'spmm', got {form!r}")
+    if axis not in mesh.axis_names:
+        raise ValueError(f"axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    if balance not in BALANCES:
+        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
 
 
 def shard(
@@ -606,6 +705,9 @@ def shard(
 
     The blocks are planned from ``A``'s host structure (:attr:`CSRMatrix.host_structure`):
     nothing is read back from the device. ``A``'s values are laid out on the device.
+    With several processes every process passes the same ``A`` (checked) and plans
+    only its own devices' blocks; :func:`shard_rows` builds the blocks from each
+    process's own rows instead, for matrices no host should hold whole.
 
     Args:
       A: a :class:`~jaxcsr.matrix.CSRMatrix` as a constructor returned it (concrete,
@@ -627,10 +729,7 @@ def shard(
     """
     if not isinstance(A, CSRMatrix):
         raise TypeError(f"A must be a jaxcsr.CSRMatrix, got {type(A).__name__}")
-    if form not in (None, "segment", "spmm"):
-        raise ValueError(f"form must be None, 'segment' or 'spmm', got {form!r}")
-    if axis not in mesh.axis_names:
-        raise ValueError(f"axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
+    _check_mesh(mesh, axis, form, balance)
     if is_traced(A):
         raise ValueError(
             "A holds traced values: jaxcsr.shard plans on the host, so call it outside "
@@ -645,44 +744,156 @@ def shard(
     segment = A.columns_are_inputs if form is None else form == "segment"
     if segment and not A.structure.one_per_column:
         raise ValueError("form='segment' needs at most one entry per column (from_indices)")
-    shards = int(mesh.shape[axis])
-    m, n = A.shape
     indptr, indices = plan.host_csr(A.host_structure)
-    _check_same_everywhere(indptr, indices, A.shape)
-    blocks = plan_blocks(indptr, shards, balance)
-    sharding = NamedSharding(mesh, P(axis))
-    leaves, index_tree = _place_blocks(
-        functools.partial(_block_structure, indptr, indices, blocks, n=n, segment=segment),
-        shards,
-        A.backends,
-        sharding,
+    indptr = indptr.astype(np.int64)
+    _check_same_everywhere(
+        [np.asarray(A.shape), indptr, indices],
+        "jaxcsr.shard: the matrices passed to shard differ between processes; every "
+        "process must build the same matrix (same ids and shape)",
     )
-    k_b, data_order = blocks.block_cols, blocks.data_order
-    if segment:  # a column of a one-per-column matrix is its entry's input position
-        columns_of = indices.astype(np.int64)
-        input_order = np.where(data_order >= 0, columns_of[np.maximum(data_order, 0)], -1).ravel()
-        layout_size = shards * k_b
+    blocks = _RowBlocks(
+        indptr,
+        block_sizes(indptr, int(mesh.shape[axis]), balance),
+        lambda lo, hi: (indices[indptr[lo] : indptr[hi]].astype(np.int64), None),
+        n=A.shape[1],
+        segment=segment,
+    )
+    every = range(blocks.shards)  # this host holds A whole: its metadata is complete
+    orders = {p: (blocks.input_order(p), blocks.data_order(p)) for p in every}
+    S = _sharded(blocks, mesh, axis, balance, A.backends, orders)
+    if A.data is None:
+        return S
+    # laid out on the device: the values never visit the host
+    order = jnp.asarray(np.concatenate([orders[p][1] for p in every]))
+    picked = jnp.where(order >= 0, A.data[jnp.maximum(order, 0)], 0).astype(A.data.dtype)
+    return S.with_data(jax.device_put(picked, S.input_sharding))
+
+
+def shard_rows(
+    row_lengths: Any,
+    load_rows: Callable[[int, int], Any],
+    mesh,
+    axis: str,
+    *,
+    num_cols: int,
+    dtype: Any = None,
+    form: str = "spmm",
+    balance: str = "nnz",
+    backends: Any = None,
+) -> ShardedCSR:
+    """:func:`shard` for a matrix that no process holds whole: each process reads only
+    the rows of its own devices' blocks.
+
+    Every process passes the same ``row_lengths`` (checked across processes) and a
+    ``load_rows`` that can read any rows; the blocks are planned from the row lengths
+    alone, and ``load_rows`` is called only for this process's blocks, so host memory
+    per process is ``O(m)`` plus its share of the entries.
+
+    Args:
+      row_lengths: ``(m,)`` stored entries per row (what ``np.diff(indptr)`` gives).
+      load_rows: ``load_rows(lo, hi)`` returns the column indices of rows ``lo:hi``
+        in row order (``row_lengths[lo:hi].sum()`` integers in ``[0, num_cols)``),
+        or, with ``dtype``, a pair ``(columns, values)``. For the segment form a column
+        is an input position: the index ``k`` of the edge in the values ``S @ v``
+        takes.
+      mesh, axis, balance: as in :func:`shard`.
+      num_cols: the matrix's columns (``n``; the segment form: the number of edges).
+      dtype: the values' dtype; ``None``: a one-valued matrix (no values loaded).
+      form: ``"spmm"`` (default) or ``"segment"`` (at most one entry per column,
+        checked within each block), as in :func:`shard`.
+      backends: backend names to plan each block for (``None``: the defaults).
+
+    Returns:
+      A :class:`ShardedCSR` of shape ``(m, num_cols)``. Its layout metadata
+      (:attr:`~ShardedCSR.input_order`, :attr:`~ShardedCSR.data_order`) covers this
+      process's blocks only, and :meth:`~ShardedCSR.layout_values` fills only them.
+    """
+    _check_mesh(mesh, axis, form, balance)
+    if form is None:
+        raise ValueError("form must be 'segment' or 'spmm', got None")
+    lengths = as_host_int_array(row_lengths, "row_lengths")
+    if lengths.ndim != 1 or (lengths.size and lengths.min() < 0):
+        raise ValueError("row_lengths must be a 1-D array of non-negative counts")
+    if not callable(load_rows):
+        raise TypeError(f"load_rows must be callable, got {type(load_rows).__name__}")
+    n = check_size(num_cols, "num_cols")
+    if dtype is not None:
+        check_numeric_dtype(dtype, "dtype")
+        dtype = np.dtype(dtype)
+    indptr = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])
+    check_index_range(max(int(indptr[-1]), n, lengths.size), "the matrix")
+    segment = form == "segment"
+    _check_same_everywhere(
+        [indptr, np.array([n, segment, -1 if dtype is None else dtype.num])],
+        "jaxcsr.shard_rows: row_lengths, num_cols, form or dtype differ between "
+        "processes; every process must describe the same matrix",
+    )
+
+    def columns(lo: int, hi: int) -> tuple[np.ndarray, np.ndarray | None]:
+        return _loaded_rows(load_rows, lo, hi, int(indptr[hi] - indptr[lo]), n, dtype, segment)
+
+    blocks = _RowBlocks(
+        indptr,
+        block_sizes(indptr, int(mesh.shape[axis]), balance),
+        columns,
+        n=n,
+        segment=segment,
+    )
+    sharding = NamedSharding(mesh, P(axis))
+    orders = {p: (blocks.input_order(p), blocks.data_order(p)) for p in _local_blocks(sharding)}
+    S = _sharded(blocks, mesh, axis, balance, backends, orders)
+    if dtype is None:
+        return S
+    return S.with_data(_from_blocks(lambda p: blocks.values(p, dtype), blocks.shards, sharding))
+
+
+def _loaded_rows(load_rows, lo, hi, size, n, dtype, segment):
+    """Checks what ``load_rows(lo, hi)`` returned (before anything is planned)."""
+    got = load_rows(lo, hi)
+    if dtype is not None:
+        if not (isinstance(got, tuple) and len(got) == 2):
+            raise TypeError(f"load_rows({lo}, {hi}) must return (columns, values) with dtype")
+        cols, values = got
     else:
-        input_order = np.full(shards * k_b, -1, np.int64)
-        layout_size = n
+        cols, values = got, None
+    cols = as_host_int_array(cols, f"load_rows({lo}, {hi})'s columns")
+    if cols.shape != (size,):
+        raise ValueError(
+            f"load_rows({lo}, {hi}) must return {size} columns (row_lengths[{lo}:{hi}]"
+            f".sum()), got shape {cols.shape}"
+        )
+    check_range(cols, n, f"load_rows({lo}, {hi})'s columns", "num_cols")
+    if segment and np.unique(cols).size != cols.size:
+        raise ValueError(
+            f"form='segment' needs at most one entry per column; load_rows({lo}, {hi}) "
+            "repeats a column"
+        )
+    if values is not None:
+        values = np.asarray(values)
+        if values.shape != (size,):
+            raise ValueError(
+                f"load_rows({lo}, {hi}) must return {size} values, got shape {values.shape}"
+            )
+        values = values.astype(dtype)
+    return cols.astype(np.int64), values
+
+
+def _sharded(blocks: _RowBlocks, mesh, axis, balance, backends, orders) -> ShardedCSR:
+    """The :class:`ShardedCSR` of ``blocks`` (without values: ``with_data`` adds them).
+    ``orders``: the blocks whose layout metadata this host keeps."""
+    shards, m, n = blocks.shards, blocks.indptr.size - 1, blocks.n
+    sharding = NamedSharding(mesh, P(axis))
+    leaves, index_tree = _place_index(blocks, backends, sharding)
     replicated = NamedSharding(mesh, P())
-    host_layout = _Layout(
-        row_starts=blocks.row_starts.astype(np.int32),
-        block_nnz=blocks.block_nnz.astype(np.int32),
-        input_order=input_order.astype(np.int32),
-        data_order=data_order.ravel().astype(np.int32),
+    host_layout = _HostLayout(
+        blocks.row_starts.astype(np.int32), blocks.block_nnz.astype(np.int32), orders
     )
     layout = _Layout(
         row_starts=jax.device_put(host_layout.row_starts, replicated),
         block_nnz=jax.device_put(host_layout.block_nnz, replicated),
-        input_order=jax.device_put(host_layout.input_order, sharding),
-        data_order=jax.device_put(host_layout.data_order, sharding),
+        input_order=_from_blocks(lambda p: orders[p][0], shards, sharding),
+        data_order=_from_blocks(lambda p: orders[p][1], shards, sharding),
     )
-    laid_data = None
-    if A.data is not None:  # laid out on the device: the values never visit the host
-        order = jnp.asarray(data_order.ravel())
-        picked = jnp.where(order >= 0, A.data[jnp.maximum(order, 0)], 0).astype(A.data.dtype)
-        laid_data = jax.device_put(picked, sharding)
     send, recv, shifts, aligned = _relayout_plan(
         blocks.row_starts, m, blocks.block_rows, shards, balance
     )
@@ -690,21 +901,21 @@ def shard(
         mesh=mesh,
         axis=axis,
         shape=(m, n),
-        layout_size=layout_size,
-        form="segment" if segment else "spmm",
+        layout_size=shards * blocks.block_cols if blocks.segment else n,
+        form="segment" if blocks.segment else "spmm",
         balance=balance,
         block_rows=blocks.block_rows,
-        block_cols=k_b if segment else n,
+        block_cols=blocks.block_cols if blocks.segment else n,
         shifts=shifts,
         aligned=aligned,
         index_tree=index_tree,
-        has_data=A.data is not None,
+        has_data=False,
     )
     if not aligned:
         send, recv = jax.device_put(send, sharding), jax.device_put(recv, sharding)
     else:
         send = recv = None
-    return ShardedCSR(leaves, laid_data, send, recv, layout, plan_, host_layout)
+    return ShardedCSR(leaves, None, send, recv, layout, plan_, host_layout)
 
 
 def _relayout_plan(starts, m, block_rows, shards, balance):

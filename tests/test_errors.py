@@ -242,6 +242,34 @@ def test_shard_of_traced_values_says_what_to_do():
         f(jnp.ones(3))
 
 
+SHARD_ROWS_ERRORS = [  # (row_lengths, what load_rows returns, keywords, error, message)
+    ([2, -1], [0], {}, ValueError, "row_lengths must be a 1-D array of non-negative"),
+    ([[1, 2]], [0], {}, ValueError, "row_lengths must be a 1-D"),
+    ([1.5, 2], [0], {}, TypeError, "row_lengths"),
+    ([2, 1], [0, 1], {}, ValueError, r"load_rows\(0, 2\) must return 3 columns"),
+    ([2, 1], [0, 1, 5], {}, ValueError, r"load_rows\(0, 2\)'s columns.*num_cols"),
+    ([2, 1], [0, 1, -1], {}, ValueError, r"load_rows\(0, 2\)'s columns"),
+    ([2, 1], [0.0, 1.0, 2.0], {}, TypeError, r"load_rows\(0, 2\)'s columns"),
+    ([2, 1], [0, 1, 1], {"form": "segment"}, ValueError, "repeats a column"),
+    ([2, 1], [0, 1, 2], {"dtype": np.float32}, TypeError, r"must return \(columns, values\)"),
+    ([2, 1], ([0, 1, 2], [1.0]), {"dtype": np.float32}, ValueError, "must return 3 values"),
+    ([2, 1], [0, 1, 2], {"dtype": "U3"}, TypeError, "dtype"),
+    ([2, 1], [0, 1, 2], {"form": None}, ValueError, "form must be"),
+    ([2, 1], [0, 1, 2], {"balance": "edges"}, ValueError, "balance must be"),
+    ([2, 1], [0, 1, 2], {"num_cols": -1}, ValueError, "num_cols"),
+]
+
+
+@pytest.mark.parametrize("lengths,loaded,keywords,error,message", SHARD_ROWS_ERRORS)
+def test_shard_rows_checks_what_it_is_given(lengths, loaded, keywords, error, message):
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:1]), ("d",))
+    keywords = {"num_cols": 4, **keywords}
+    with pytest.raises(error, match=message):
+        jaxcsr.shard_rows(lengths, lambda lo, hi: loaded, mesh, "d", **keywords)
+    with pytest.raises(TypeError, match="load_rows must be callable"):
+        jaxcsr.shard_rows([1], "rows.npy", mesh, "d", num_cols=1)
+
+
 def test_sizes_reject_bools_and_floats():
     with pytest.raises(TypeError, match="num_rows must be an int, got the bool True"):
         CSRMatrix.from_indices(np.array([0, 0]), num_rows=True)

@@ -15,6 +15,15 @@ for P devices. Per device, for one product with F float32 features:
 * layout: ``S @ v`` with ``v`` in input order, sharded: the all-gather of ``v``
   (``(P - 1) / P`` of it per device); 0 for values already laid out.
 
+And per process (one device each), the host memory of building it:
+
+* ``shard``: the whole matrix's host structure (``from_indices``: the ids and their
+  sort order, 8 B per entry each, and ``indptr``, 8 B per row) plus the layout maps of
+  every block (``input_order``/``data_order``, 4 B per entry slot each);
+* ``shard_rows``: the row lengths and row pointer (8 B per row each), its block's
+  loaded columns (8 B per entry slot), layout maps (8 B per slot) and planned block
+  structure.
+
 Writes ``sharded_scale.json`` and ``sharded_scale.md`` to ``--out``.
 """
 
@@ -59,6 +68,8 @@ def rows(indptr: np.ndarray, devices, features: int) -> list[dict]:
             "output_bytes": _rows_per_part(m, p) * features * 4,
             "relayout_bytes": int(moved.max(initial=0)) * features * 4,
             "layout_bytes": (p - 1) * -(-nnz // p) * features * 4,
+            "host_shard_bytes": 16 * nnz + 8 * (m + 1) + 8 * p * k_b,
+            "host_shard_rows_bytes": 16 * (m + 1) + 16 * k_b + 8 * k_b + 4 * (r_b + 2),
         }
         out.append(row)
         print(
@@ -86,15 +97,17 @@ def markdown(result: dict) -> str:
         "shrinking (the imbalance column).",
         "",
         "| P | entry slots per block | imbalance | structure GiB | values GiB | output GiB "
-        "| relayout GiB | layout (input order) GiB |",
-        "|---|---|---|---|---|---|---|---|",
+        "| relayout GiB | layout (input order) GiB | host GiB per process: shard "
+        "| host GiB per process: shard_rows |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         lines.append(
             f"| {r['devices']} | {r['block_entries']:,} | {r['imbalance']:.3f} | "
             f"{_gib(r['structure_bytes'])} | {_gib(r['values_bytes'])} | "
             f"{_gib(r['output_bytes'])} | {_gib(r['relayout_bytes'])} | "
-            f"{_gib(r['layout_bytes'])} |"
+            f"{_gib(r['layout_bytes'])} | {_gib(r['host_shard_bytes'])} | "
+            f"{_gib(r['host_shard_rows_bytes'])} |"
         )
     return "\n".join(lines) + "\n"
 
