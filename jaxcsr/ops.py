@@ -449,7 +449,10 @@ batching.primitive_batchers[csr_matmul_p] = _batch
 
 
 # ------------------------------------------------------------------ lowerings
-for _platform in ("cpu", "cuda", "rocm", "tpu"):
+PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+"""JAX platforms the primitive lowers for (one lowering each, told its platform)."""
+
+for _platform in PLATFORMS:
     mlir.register_lowering(
         csr_matmul_p,
         mlir.lower_fun(

@@ -20,13 +20,14 @@ def _leaf_bytes(tree) -> int:
 
 # ----------------------------------------------------------------- registry
 def test_registry_and_defaults():
-    assert set(kernels.BACKENDS) == {"xla", "pallas_gpu", "pallas_tpu"}
+    assert set(kernels.BACKENDS) == {"xla", "pallas_gpu", "pallas_tpu", "cpu"}
     assert kernels.BACKENDS["pallas_gpu"].platform == "cuda"
     assert kernels.BACKENDS["pallas_tpu"].platform == "tpu"
-    assert kernels.default_backends("cpu") == ("xla",)
+    assert kernels.BACKENDS["cpu"].platform == "cpu"
+    assert kernels.default_backends("cpu") == ("xla", "cpu")
     assert kernels.default_backends("gpu") == ("xla", "pallas_gpu")
     assert kernels.default_backends("tpu") == ("xla", "pallas_tpu")
-    assert kernels.resolve_backends(None) == kernels.default_backends()
+    assert kernels.resolve_backends(None) == tuple(sorted(kernels.default_backends()))
     assert kernels.resolve_backends("pallas_gpu") == ("pallas_gpu", "xla")  # xla always
     assert not kernels.BACKENDS["pallas_gpu"].supports(np.float32, np.int32)
     assert kernels.BACKENDS["xla"].supports(np.int8, np.float64)
@@ -34,10 +35,10 @@ def test_registry_and_defaults():
 
 def test_default_matrix_plans_only_the_default_backend(rng):
     A = CSRMatrix.from_indices(power_law_ids(rng, 200, 17), num_rows=17)
-    assert A.backends == kernels.default_backends()
+    assert A.backends == tuple(sorted(kernels.default_backends()))
     if jax.default_backend() == "cpu":
-        assert A.backends == ("xla",)
-        assert A.index.plans == {"xla": None}  # no kernel arrays held on CPU
+        assert A.backends == ("cpu", "xla")
+        assert A.index.plans == {"cpu": None, "xla": None}  # no kernel arrays held on CPU
 
 
 def test_segment_functions_plan_the_kernel_they_are_asked_for(rng):

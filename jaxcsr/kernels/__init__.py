@@ -15,6 +15,7 @@ one module and one :func:`register` call (here, or from user code: the set of va
   the max/min arg search for every backend.
 * :mod:`jaxcsr.kernels.gpu` -- Pallas Triton kernel (load-balanced row work items).
 * :mod:`jaxcsr.kernels.tpu` -- Pallas Mosaic kernel (block-sparse one-hot MXU tiles).
+* :mod:`jaxcsr.kernels.cpu` -- C++ kernels through XLA FFI (multithreaded sums).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ import jax
 import numpy as np
 
 from jaxcsr.dtypes import KERNEL_DTYPES
-from jaxcsr.kernels import gpu, tpu, xla
+from jaxcsr.kernels import cpu, gpu, tpu, xla
 from jaxcsr.structure import Structure
 
 __all__ = [
@@ -81,6 +82,7 @@ class Backend:
       sddmm: ``(ct, x, view, *, out_dtype) -> (nnz,)``, the sampled product (the
         fallback's is used for every backend; ``None``: none of its own).
       arg_search: an :class:`ArgSearch` (the fallback's is used for every backend).
+      missing: what is missing when :attr:`available` is False (for the messages).
       device_plan: ``Structure (device leaves, may be traced) -> plan pytree``, the
         twin of ``plan`` in ``jnp``/``lax``, for matrices planned inside a trace
         (traced ids); equal to ``plan``'s result element for element. ``None``: the
@@ -98,13 +100,14 @@ class Backend:
     sddmm: Callable[..., jax.Array] | None = None
     arg_search: ArgSearch | None = None
     device_plan: Callable[[Structure], Any] | None = None
+    missing: str = "the Pallas backend this kernel is written in"
 
     def require_available(self) -> None:
         """Raises a ``RuntimeError`` naming the jax version if this jax cannot run it."""
         if not self.available():
             raise RuntimeError(
-                f"impl={self.name!r}: jax {jax.__version__} does not ship the Pallas backend "
-                f"this kernel is written in; use impl=None (falls back to {FALLBACK}) or "
+                f"impl={self.name!r} cannot run (jax {jax.__version__}): missing "
+                f"{self.missing}; use impl=None (falls back to {FALLBACK}) or "
                 f"impl={FALLBACK!r}"
             )
 
@@ -113,9 +116,9 @@ class Backend:
         if self.name not in _WARNED:
             _WARNED.add(self.name)
             warnings.warn(
-                f"jax {jax.__version__} cannot run the {self.name!r} kernel (its Pallas "
-                f"backend is missing); products on {self.platform!r} run on the "
-                f"fallback, {FALLBACK!r}",
+                f"the {self.name!r} kernel cannot run (jax {jax.__version__}): missing "
+                f"{self.missing}; products on {self.platform!r} run on the fallback, "
+                f"{FALLBACK!r}",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -216,6 +219,20 @@ register(
         tpu.describe,
         tpu.covers,
         device_plan=tpu.plan_on_device,
+    )
+)
+register(
+    Backend(
+        "cpu",
+        "cpu",
+        KERNEL_DTYPES,
+        cpu.plan,
+        cpu.product,
+        cpu.describe,
+        cpu.covers,
+        cpu.available,
+        device_plan=cpu.plan,
+        missing="jaxcsr's compiled CPU library (built by pip install with a C++17 compiler)",
     )
 )
 

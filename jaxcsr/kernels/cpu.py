@@ -1,0 +1,143 @@
+"""The native CPU backend: jaxcsr's own C++ kernels through XLA FFI.
+
+``csrc/cpu_kernels.cc`` is compiled by ``pip install`` into a plain shared library
+(``_cpu_kernels*.so`` beside this module), loaded with ``ctypes`` and registered with
+``jax.ffi.register_ffi_target`` for the ``cpu`` platform. Two sum kernels split
+their rows over XLA's intra-op thread pool (rows whole, so every row is summed in
+one fixed order: bit-identical for any thread count), read 16-bit operands as they
+are and accumulate in float32:
+
+``pull``
+    ``y[r] = sum_j data[j] * x[cols[j]]`` over row ``r``'s entries in CSR order:
+    general matrices (and their planned transposes) and sorted segment ids (``cols``
+    is the identity: ``x`` is read once, in order).
+``push``
+    The one-per-column view of unsorted segment ids: each chunk of rows scans all
+    ids in input order and adds ``x[k]`` to its own rows, so ``x`` is streamed rather
+    than gathered at random (a pull through the sort permutation is latency-bound).
+
+``reduce="max"``/``"min"``, row gathers (the backward of a segment sum: a copy in
+the operand's dtype) and float64 run on the XLA path (:mod:`jaxcsr.kernels.xla`). The
+backend plans nothing beyond the portable core. Without the library (no compiler at
+install time) :func:`available` is False: products fall back to XLA, with one
+warning per process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+from collections.abc import Iterator
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxcsr.dtypes import KERNEL_DTYPES, product_dtype
+from jaxcsr.kernels import xla
+from jaxcsr.structure import Structure
+
+__all__ = ["available", "covers", "describe", "library_path", "plan", "product", "threads"]
+
+_TARGETS = {"jaxcsr_cpu_pull": "JaxcsrCsrPull", "jaxcsr_cpu_push": "JaxcsrRowPush"}
+_MAX_THREADS = 0
+
+
+def library_path() -> Path | None:
+    """The built library beside this module, or ``None`` if it was not built."""
+    found = sorted(Path(__file__).parent.glob("_cpu_kernels*.so"))
+    return found[0] if found else None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the library is built and its FFI targets are registered."""
+    path = library_path()
+    if path is None:
+        return False
+    try:
+        library = ctypes.cdll.LoadLibrary(str(path))
+        for target, symbol in _TARGETS.items():
+            capsule = jax.ffi.pycapsule(getattr(library, symbol))
+            jax.ffi.register_ffi_target(target, capsule, platform="cpu")
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+@contextlib.contextmanager
+def threads(n: int) -> Iterator[None]:
+    """At most ``n`` threads per product traced inside the block (``0``: XLA's whole
+    intra-op pool, the default). The result does not depend on it: every row is
+    summed in one order."""
+    global _MAX_THREADS
+    if not isinstance(n, int) or isinstance(n, bool) or n < 0:
+        raise ValueError(f"threads: n must be a non-negative int, got {n!r}")
+    saved, _MAX_THREADS = _MAX_THREADS, n
+    try:
+        yield
+    finally:
+        _MAX_THREADS = saved
+
+
+def plan(structure: Structure) -> None:
+    """The kernels read the portable core only: nothing to plan."""
+    del structure
+
+
+def covers(view: Structure) -> bool:
+    """Every view but row gathers (one entry per row, the backward of a segment sum):
+    XLA's gather copies rows in their own dtype, as fast as memory allows."""
+    return not view.one_per_row
+
+
+def kernel_for(view: Structure) -> str:
+    """``"push"`` for unsorted segment ids, else ``"pull"``."""
+    return "push" if view.one_per_column and not view.sorted_ids else "pull"
+
+
+def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
+    del n_features
+    return {"cpu": f"native {kernel_for(view)} (sum; max/min on xla)"}
+
+
+def runs(view: Structure, x_dtype, data_dtype, out_dtype) -> bool:
+    """Whether the kernels take this product (else the XLA path runs it)."""
+    dtype = product_dtype(x_dtype, data_dtype)
+    return (
+        available()
+        and dtype in KERNEL_DTYPES
+        and np.dtype(out_dtype) in KERNEL_DTYPES
+        and np.dtype(view.index_dtype) == np.int32
+    )
+
+
+def product(x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret, platform):
+    """Backend entry: the viewed matrix times ``x``; sums natively, max/min on XLA."""
+    del cpu_plan, interpret
+    data_dtype = None if data is None else data.dtype
+    if reduce != "sum" or platform != "cpu" or not runs(view, x.dtype, data_dtype, out_dtype):
+        return xla.product(
+            x, data, view, None, reduce=reduce, out_dtype=out_dtype, interpret=False,
+            platform=platform,
+        )  # fmt: skip
+    dtype = product_dtype(x.dtype, data_dtype)
+    x = x.astype(dtype)
+    m, f = view.shape[0], x.shape[1]
+    out = jax.ShapeDtypeStruct((m, f), out_dtype)
+    none = jnp.zeros((0,), dtype)
+    attrs = {"max_threads": np.int64(_MAX_THREADS)}
+    if kernel_for(view) == "push":
+        values = none if data is None else view.column_values(data).astype(dtype)
+        call = jax.ffi.ffi_call("jaxcsr_cpu_push", out)
+        return call(view.indptr, view.row_of_col, values, x, **attrs)
+    values = none if data is None else data.astype(dtype)
+    indptr = view.view_indptr()
+    if view.one_per_column:  # sorted ids: entry k is column k
+        cols = jnp.zeros((0,), jnp.int32)
+    else:
+        cols = view.view_indices()
+    call = jax.ffi.ffi_call("jaxcsr_cpu_pull", out)
+    return call(indptr.astype(jnp.int32), cols.astype(jnp.int32), values, x, **attrs)

@@ -1,0 +1,453 @@
+// jaxcsr's CPU kernels, called through XLA FFI (jaxcsr/kernels/cpu.py).
+//
+// Two sum products, both row-parallel over XLA's intra-op thread pool, rows whole:
+//
+// * CsrPull: y[r] = sum_{j in row r} data[j] * x[cols[j]], rows in CSR order
+//   (general matrices, sorted segment ids, row gathers). Each row is accumulated
+//   in float32 in CSR order, then stored once in the output dtype.
+// * RowPush: the one-per-column view (unsorted segment ids): entry k adds
+//   data[k] * x[k] to row ids[k]. Every chunk owns a range of rows and scans all
+//   ids, so x is read in input order and each row is summed in input order.
+//
+// Either way each output row is summed in one fixed order, whatever the number of
+// threads or chunks: results are bit-identical for any thread count. Ids outside
+// [0, rows) belong to no row (they are dropped, as jax.ops drops them).
+// Everything is checked in Python before the call; the checks here guard shapes.
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+#define JAXCSR_INLINE inline __attribute__((always_inline))
+
+// ------------------------------------------------------------------ 16-bit floats
+JAXCSR_INLINE float bf16_to_f32(uint16_t h) {
+  uint32_t bits = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+JAXCSR_INLINE uint16_t f32_to_bf16(float f) {  // round to nearest even; NaN stays NaN
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  if ((bits & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((bits >> 16) | 0x40);
+  bits += 0x7fffu + ((bits >> 16) & 1u);
+  return static_cast<uint16_t>(bits >> 16);
+}
+
+JAXCSR_INLINE float f16_to_f32(uint16_t h) {
+  uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16;
+  uint32_t exp = (h >> 10) & 0x1fu, man = h & 0x3ffu, bits;
+  if (exp == 0x1f) {
+    bits = sign | 0x7f800000u | (man << 13);
+  } else if (exp != 0) {
+    bits = sign | ((exp + 112) << 23) | (man << 13);
+  } else if (man == 0) {
+    bits = sign;
+  } else {  // subnormal: exactly man * 2^-24
+    float f = static_cast<float>(man) * (1.0f / 16777216.0f);
+    std::memcpy(&bits, &f, sizeof bits);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+JAXCSR_INLINE uint16_t f32_to_f16(float f) {  // round to nearest even
+  uint32_t bits;
+  std::memcpy(&bits, &f, sizeof bits);
+  uint16_t sign = static_cast<uint16_t>((bits >> 16) & 0x8000u);
+  uint32_t abs = bits & 0x7fffffffu;
+  if (abs > 0x7f800000u) return sign | 0x7e00u;  // NaN
+  if (abs >= 0x477ff000u) return sign | 0x7c00u;  // rounds to >= 65520: inf
+  if (abs < 0x38800000u) {  // below 2^-14: subnormal (or zero) in half
+    float a;
+    std::memcpy(&a, &abs, sizeof a);
+    // a * 2^24 rounded to nearest even integer: the subnormal's mantissa
+    float scaled = a * 16777216.0f;
+    uint32_t m = static_cast<uint32_t>(scaled);
+    float rest = scaled - static_cast<float>(m);
+    if (rest > 0.5f || (rest == 0.5f && (m & 1u))) ++m;
+    return sign | static_cast<uint16_t>(m);
+  }
+  uint32_t rounded = abs + 0xfffu + ((abs >> 13) & 1u);
+  return sign | static_cast<uint16_t>((rounded - (112u << 23)) >> 13);
+}
+
+struct F32 {
+  using Storage = float;
+  JAXCSR_INLINE static float load(float v) { return v; }
+  JAXCSR_INLINE static float store(float v) { return v; }
+};
+struct BF16 {
+  using Storage = uint16_t;
+  JAXCSR_INLINE static float load(uint16_t v) { return bf16_to_f32(v); }
+  JAXCSR_INLINE static uint16_t store(float v) { return f32_to_bf16(v); }
+};
+struct F16 {
+  using Storage = uint16_t;
+  JAXCSR_INLINE static float load(uint16_t v) { return f16_to_f32(v); }
+  JAXCSR_INLINE static uint16_t store(float v) { return f32_to_f16(v); }
+};
+
+// acc[0:f] += w * x[0:f] (x converted to float32): the inner loops, inlined into the
+// row loops below, which are compiled twice (AVX2 and the baseline; see Isa).
+template <typename In>
+JAXCSR_INLINE void axpy(float* __restrict acc, const typename In::Storage* __restrict x,
+                        float w, int64_t f) {
+  for (int64_t i = 0; i < f; ++i) acc[i] += w * In::load(x[i]);
+}
+
+template <typename Out>
+JAXCSR_INLINE void store_row(typename Out::Storage* __restrict y, const float* __restrict acc,
+                             int64_t f) {
+  for (int64_t i = 0; i < f; ++i) y[i] = Out::store(acc[i]);
+}
+
+// ------------------------------------------------------------------ the thread pool
+// Runs body(c) for c in [0, chunks): the caller and up to threads - 1 pool tasks claim
+// chunks from one counter; the caller returns once every chunk is done. A task that
+// starts late finds no chunk and touches only the shared counters.
+template <typename Body>
+void parallel_chunks(ffi::ThreadPool& pool, int64_t chunks, int64_t threads, Body body) {
+  struct State {
+    std::atomic<int64_t> next{0}, done{0};
+  };
+  auto state = std::make_shared<State>();
+  auto work = [state, chunks, &body] {
+    for (int64_t c; (c = state->next.fetch_add(1)) < chunks;) {
+      body(c);
+      state->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  int64_t helpers = std::min(threads, chunks) - 1;
+  for (int64_t t = 0; t < helpers; ++t) {
+    // The task holds the state, never the caller's frame: it may start after return.
+    pool.Schedule([state, chunks, body_ptr = &body]() mutable {
+      for (int64_t c; (c = state->next.fetch_add(1)) < chunks;) {
+        (*body_ptr)(c);
+        state->done.fetch_add(1, std::memory_order_release);
+      }
+    });
+  }
+  work();
+  while (state->done.load(std::memory_order_acquire) < chunks) std::this_thread::yield();
+}
+
+int64_t thread_count(ffi::ThreadPool& pool, int64_t max_threads) {
+  int64_t threads = std::max<int64_t>(pool.num_threads(), 1);
+  return max_threads > 0 ? std::min(threads, max_threads) : threads;
+}
+
+// Chunk c covers rows [starts[c], starts[c + 1]): about equal entries (plus rows) each.
+std::vector<int64_t> row_chunks(const int32_t* indptr, int64_t rows, int64_t chunks) {
+  std::vector<int64_t> starts(chunks + 1, rows);
+  starts[0] = 0;
+  const int64_t total = indptr[rows] + rows;
+  for (int64_t c = 1; c < chunks; ++c) {
+    const int64_t target = total * c / chunks;
+    int64_t lo = starts[c - 1], hi = rows;  // first row r with indptr[r] + r >= target
+    while (lo < hi) {
+      int64_t mid = (lo + hi) / 2;
+      if (indptr[mid] + mid < target) lo = mid + 1; else hi = mid;
+    }
+    starts[c] = lo;
+  }
+  return starts;
+}
+
+// ------------------------------------------------------------------ kernels
+// One row of the pull product, features [b, b + width): the accumulators stay in
+// registers while the row's entries stream by (Width: a compile-time block).
+template <typename In, typename Out, int64_t Width>
+JAXCSR_INLINE void pull_block(const int32_t* cols, const typename In::Storage* data,
+                              const typename In::Storage* x, typename Out::Storage* y,
+                              int64_t f, int64_t j0, int64_t j1, int64_t b, int64_t width,
+                              uint64_t n, bool& bad) {
+  float acc[Width] = {};
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t col = cols ? cols[j] : j;
+    if (static_cast<uint64_t>(col) >= n) {  // never read outside x
+      bad = true;
+      continue;
+    }
+    if (cols && j + 8 < j1) __builtin_prefetch(x + static_cast<int64_t>(cols[j + 8]) * f + b);
+    const float w = data ? In::load(data[j]) : 1.0f;
+    const typename In::Storage* xr = x + col * f + b;
+    if (width == Width) {
+      for (int64_t i = 0; i < Width; ++i) acc[i] += w * In::load(xr[i]);
+    } else {
+      for (int64_t i = 0; i < width; ++i) acc[i] += w * In::load(xr[i]);
+    }
+  }
+  for (int64_t i = 0; i < width; ++i) y[i] = Out::store(acc[i]);
+}
+
+// Rows [lo, hi) of the pull product. Up to 32 features the accumulators stay in
+// registers (one pass over the row's entries); wider rows accumulate in ``acc``
+// (f floats, in L1) over one pass too.
+template <typename In, typename Out>
+JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
+                                  const typename In::Storage* data,
+                                  const typename In::Storage* x, typename Out::Storage* y,
+                                  int64_t f, int64_t lo, int64_t hi, float* acc, uint64_t n,
+                                  bool& bad) {
+  constexpr int64_t kWidth = 32;
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t j0 = indptr[r], j1 = indptr[r + 1];
+    if (f <= kWidth) {
+      pull_block<In, Out, kWidth>(cols, data, x, y + r * f, f, j0, j1, 0, f, n, bad);
+      continue;
+    }
+    std::fill(acc, acc + f, 0.0f);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t col = cols ? cols[j] : j;
+      if (static_cast<uint64_t>(col) >= n) {
+        bad = true;
+        continue;
+      }
+      if (cols && j + 8 < j1) __builtin_prefetch(x + static_cast<int64_t>(cols[j + 8]) * f);
+      axpy<In>(acc, x + col * f, data ? In::load(data[j]) : 1.0f, f);
+    }
+    store_row<Out>(y + r * f, acc, f);
+  }
+}
+
+// Rows [lo, hi) of the push product: every id is scanned, those in range are added.
+template <typename In, typename Out>
+JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage* data,
+                                  const typename In::Storage* x, float* acc_all,
+                                  int64_t entries, int64_t f, int64_t lo, int64_t hi) {
+  std::fill(acc_all + lo * f, acc_all + hi * f, 0.0f);
+  for (int64_t k = 0; k < entries; ++k) {
+    const int64_t r = ids[k];
+    if (r < lo || r >= hi) continue;
+    axpy<In>(acc_all + r * f, x + k * f, data ? In::load(data[k]) : 1.0f, f);
+  }
+}
+
+// Each row loop compiled for AVX2 and for the baseline; chosen once at run time.
+template <typename In, typename Out>
+__attribute__((target("avx2"))) void pull_rows_avx2(const int32_t* indptr, const int32_t* cols,
+                                                    const typename In::Storage* data,
+                                                    const typename In::Storage* x,
+                                                    typename Out::Storage* y, int64_t f,
+                                                    int64_t lo, int64_t hi, float* acc,
+                                                    uint64_t n, bool& bad) {
+  pull_rows_body<In, Out>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
+}
+
+template <typename In, typename Out>
+void pull_rows_base(const int32_t* indptr, const int32_t* cols,
+                    const typename In::Storage* data, const typename In::Storage* x,
+                    typename Out::Storage* y, int64_t f, int64_t lo, int64_t hi, float* acc,
+                    uint64_t n, bool& bad) {
+  pull_rows_body<In, Out>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
+}
+
+template <typename In, typename Out>
+__attribute__((target("avx2"))) void push_rows_avx2(const int32_t* ids,
+                                                    const typename In::Storage* data,
+                                                    const typename In::Storage* x,
+                                                    float* acc_all, int64_t entries,
+                                                    int64_t f, int64_t lo, int64_t hi) {
+  push_rows_body<In, Out>(ids, data, x, acc_all, entries, f, lo, hi);
+}
+
+template <typename In, typename Out>
+void push_rows_base(const int32_t* ids, const typename In::Storage* data,
+                    const typename In::Storage* x, float* acc_all, int64_t entries, int64_t f,
+                    int64_t lo, int64_t hi) {
+  push_rows_body<In, Out>(ids, data, x, acc_all, entries, f, lo, hi);
+}
+
+bool has_avx2() {
+  static const bool yes = __builtin_cpu_supports("avx2");
+  return yes;
+}
+
+// Returns false if a column index was outside [0, n) (those entries are skipped).
+template <typename In, typename Out>
+bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+              const int32_t* cols, const typename In::Storage* data,
+              const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
+              int64_t f, int64_t n) {
+  const int64_t threads = thread_count(pool, max_threads);
+  const int64_t nnz = indptr[rows];
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min<int64_t>(threads * 8, (nnz * f + rows) / 16384 + 1));
+  const std::vector<int64_t> starts = row_chunks(indptr, rows, chunks);
+  const auto rows_fn = has_avx2() ? pull_rows_avx2<In, Out> : pull_rows_base<In, Out>;
+  std::atomic<bool> any_bad{false};
+  parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+    std::vector<float> acc(f);
+    bool bad = false;
+    rows_fn(indptr, cols, data, x, y, f, starts[c], starts[c + 1], acc.data(),
+            static_cast<uint64_t>(n), bad);
+    if (bad) any_bad.store(true);
+  });
+  return !any_bad.load();
+}
+
+template <typename In, typename Out>
+void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+              const int32_t* ids, const typename In::Storage* data,
+              const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
+              int64_t entries, int64_t f) {
+  const int64_t threads = thread_count(pool, max_threads);
+  // every chunk scans all ids: one chunk per thread, unless the work is small
+  const int64_t chunks = std::max<int64_t>(
+      1, std::min<int64_t>(threads, (entries * f) / 65536 + 1));
+  const std::vector<int64_t> starts = row_chunks(indptr, rows, chunks);
+  constexpr bool direct = std::is_same<Out, F32>::value;
+  std::vector<float> scratch(direct ? 0 : rows * f);
+  float* acc_all = direct ? reinterpret_cast<float*>(y) : scratch.data();
+  const auto rows_fn = has_avx2() ? push_rows_avx2<In, Out> : push_rows_base<In, Out>;
+  parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+    const int64_t lo = starts[c], hi = starts[c + 1];
+    rows_fn(ids, data, x, acc_all, entries, f, lo, hi);
+    if (!direct) {
+      for (int64_t r = lo; r < hi; ++r) store_row<Out>(y + r * f, acc_all + r * f, f);
+    }
+  });
+}
+
+// ------------------------------------------------------------------ dispatch
+template <template <typename, typename> class Kernel, typename... Args>
+ffi::Error dispatch(ffi::DataType in, ffi::DataType out, Args&&... args) {
+  auto with_out = [&](auto in_tag) -> ffi::Error {
+    using In = decltype(in_tag);
+    switch (out) {
+      case ffi::DataType::F32: return Kernel<In, F32>::run(args...);
+      case ffi::DataType::BF16: return Kernel<In, BF16>::run(args...);
+      case ffi::DataType::F16: return Kernel<In, F16>::run(args...);
+      default: return ffi::Error::InvalidArgument("jaxcsr cpu: unsupported output dtype");
+    }
+  };
+  switch (in) {
+    case ffi::DataType::F32: return with_out(F32{});
+    case ffi::DataType::BF16: return with_out(BF16{});
+    case ffi::DataType::F16: return with_out(F16{});
+    default: return ffi::Error::InvalidArgument("jaxcsr cpu: unsupported operand dtype");
+  }
+}
+
+template <typename In, typename Out>
+struct PullKernel {
+  static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+                        const int32_t* cols, const void* data, const void* x, void* y,
+                        int64_t rows, int64_t f, int64_t n) {
+    const bool ok = csr_pull<In, Out>(pool, max_threads, indptr, cols,
+                                      static_cast<const typename In::Storage*>(data),
+                                      static_cast<const typename In::Storage*>(x),
+                                      static_cast<typename Out::Storage*>(y), rows, f, n);
+    if (!ok) return ffi::Error::InvalidArgument("jaxcsr cpu: a column index is out of range");
+    return ffi::Error::Success();
+  }
+};
+
+template <typename In, typename Out>
+struct PushKernel {
+  static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+                        const int32_t* ids, const void* data, const void* x, void* y,
+                        int64_t rows, int64_t entries, int64_t f) {
+    row_push<In, Out>(pool, max_threads, indptr, ids,
+                      static_cast<const typename In::Storage*>(data),
+                      static_cast<const typename In::Storage*>(x),
+                      static_cast<typename Out::Storage*>(y), rows, entries, f);
+    return ffi::Error::Success();
+  }
+};
+
+ffi::Error check_2d(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& y,
+                    int64_t rows) {
+  auto xd = x.dimensions();
+  auto yd = y->dimensions();
+  if (xd.size() != 2 || yd.size() != 2 || yd[0] != rows || yd[1] != xd[1])
+    return ffi::Error::InvalidArgument("jaxcsr cpu: operand/output shapes do not match");
+  return ffi::Error::Success();
+}
+
+// A row pointer the kernels can trust: starts at 0, non-decreasing, ends at nnz (O(rows)).
+bool valid_indptr(const int32_t* indptr, int64_t rows, int64_t nnz) {
+  if (indptr[0] != 0 || indptr[rows] != nnz) return false;
+  for (int64_t r = 0; r < rows; ++r)
+    if (indptr[r + 1] < indptr[r]) return false;
+  return true;
+}
+
+ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
+                       ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer data, ffi::AnyBuffer x,
+                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
+  const int64_t rows = static_cast<int64_t>(indptr.element_count()) - 1;
+  if (rows < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
+  if (auto err = check_2d(x, y, rows); err.failure()) return err;
+  const int64_t nnz = indptr.typed_data()[rows];
+  const bool has_cols = cols.element_count() > 0, has_data = data.element_count() > 0;
+  const int64_t n = x.dimensions()[0];
+  if (!valid_indptr(indptr.typed_data(), rows, nnz) || nnz < 0 || (!has_cols && nnz > n))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
+  if ((has_cols && static_cast<int64_t>(cols.element_count()) != nnz) ||
+      (has_data && static_cast<int64_t>(data.element_count()) != nnz) ||
+      (has_data && data.element_type() != x.element_type()))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: cols/data do not match indptr");
+  return dispatch<PullKernel>(x.element_type(), y->element_type(), pool, max_threads,
+                              indptr.typed_data(), has_cols ? cols.typed_data() : nullptr,
+                              has_data ? data.untyped_data() : nullptr, x.untyped_data(),
+                              y->untyped_data(), rows, x.dimensions()[1], n);
+}
+
+ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
+                       ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::AnyBuffer x,
+                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
+  const int64_t rows = static_cast<int64_t>(indptr.element_count()) - 1;
+  if (rows < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
+  if (auto err = check_2d(x, y, rows); err.failure()) return err;
+  const int64_t entries = static_cast<int64_t>(ids.element_count());
+  const bool has_data = data.element_count() > 0;
+  const int64_t stored = indptr.typed_data()[rows];
+  if (stored < 0 || stored > entries || !valid_indptr(indptr.typed_data(), rows, stored))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
+  if (x.dimensions()[0] != entries ||
+      (has_data && (static_cast<int64_t>(data.element_count()) != entries ||
+                    data.element_type() != x.element_type())))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: ids/data/operand do not match");
+  return dispatch<PushKernel>(x.element_type(), y->element_type(), pool, max_threads,
+                              indptr.typed_data(), ids.typed_data(),
+                              has_data ? data.untyped_data() : nullptr, x.untyped_data(),
+                              y->untyped_data(), rows, entries, x.dimensions()[1]);
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrCsrPull, CsrPullImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrRowPush, RowPushImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("max_threads"));

@@ -1,0 +1,56 @@
+"""Builds jaxcsr's native CPU kernels (jaxcsr/kernels/csrc) as a plain shared library.
+
+Everything else is in pyproject.toml. The library is optional: without a C++17
+compiler or jaxlib's XLA FFI headers the build step only warns, the install
+succeeds, and products run on the XLA path (jaxcsr.kernels.cpu.available() is False).
+``JAXCSR_SANITIZE=1`` builds it with AddressSanitizer and UndefinedBehaviorSanitizer.
+"""
+
+import os
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuild(build_ext):
+    """Adds the FFI headers' path; a failed build warns instead of failing install."""
+
+    def build_extensions(self):
+        try:
+            import jax.ffi
+
+            include = jax.ffi.include_dir()
+        except Exception as err:  # no jax in the build environment
+            print(f"jaxcsr: native CPU kernels not built (no XLA FFI headers: {err})")
+            return
+        for ext in self.extensions:
+            ext.include_dirs.append(include)
+        try:
+            super().build_extensions()
+        except Exception as err:
+            print(f"jaxcsr: native CPU kernels not built ({err}); products run on XLA")
+
+    def get_ext_filename(self, ext_name):  # a plain library: no ABI tag in the name
+        return os.path.join(*ext_name.split(".")) + ".so"
+
+
+flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall"]
+link = []
+if os.environ.get("JAXCSR_SANITIZE"):
+    flags = ["-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer"]
+    flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+    link = ["-fsanitize=address,undefined"]
+
+setup(
+    ext_modules=[
+        Extension(
+            "jaxcsr.kernels._cpu_kernels",
+            sources=["jaxcsr/kernels/csrc/cpu_kernels.cc"],
+            language="c++",
+            extra_compile_args=flags,
+            extra_link_args=link,
+            optional=True,
+        )
+    ],
+    cmdclass={"build_ext": OptionalBuild},
+)
