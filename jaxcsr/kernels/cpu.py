@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -46,7 +47,11 @@ _MAX_THREADS = 0
 
 
 def library_path() -> Path | None:
-    """The built library beside this module, or ``None`` if it was not built."""
+    """The built library beside this module (``None``: not built). The environment
+    variable ``JAXCSR_CPU_LIBRARY`` names another build instead (the sanitizer test's),
+    read once, before the first product."""
+    if os.environ.get("JAXCSR_CPU_LIBRARY"):
+        return Path(os.environ["JAXCSR_CPU_LIBRARY"])
     found = sorted(Path(__file__).parent.glob("_cpu_kernels*.so"))
     return found[0] if found else None
 

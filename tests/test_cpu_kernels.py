@@ -1,0 +1,274 @@
+"""The native CPU backend (jaxcsr/kernels/csrc through XLA FFI): every kernel on every
+structure kind against float64, thread counts bit for bit, the fallback without the
+library, guards against corrupted structures, and a sanitizer build.
+
+CI sets ``JAXCSR_REQUIRE_CPU_KERNELS=1``: there a missing library fails these tests
+instead of skipping them."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from reference import assert_close, power_law_ids, random_csr, random_values
+
+import jaxcsr
+from jaxcsr import CSRMatrix
+from jaxcsr.kernels import cpu
+
+REQUIRED = os.environ.get("JAXCSR_REQUIRE_CPU_KERNELS") == "1"
+if not cpu.available():
+    if REQUIRED:
+        raise RuntimeError("JAXCSR_REQUIRE_CPU_KERNELS=1 but the CPU library is not built")
+    pytest.skip("the CPU library is not built (no C++17 compiler?)", allow_module_level=True)
+
+DTYPES = [np.float32, jnp.bfloat16, np.float16]
+M, N, K = 37, 53, 400
+
+
+def _hub_ids(rng, size, rows):
+    """90 % of the ids in one row, the rest power-law, some rows empty."""
+    ids = power_law_ids(rng, size, rows)
+    ids[rng.random(size) < 0.9] = rows // 2
+    return ids
+
+
+def _matrix(rng, kind: str):
+    """``(A, dense float64)`` for one structure kind."""
+    if kind in ("segment", "segment_sorted", "segment_weighted", "hub", "hub_sorted"):
+        ids = _hub_ids(rng, K, M) if kind.startswith("hub") else power_law_ids(rng, K, M)
+        if kind.endswith("sorted"):
+            ids = np.sort(ids)
+        data = random_values(rng, K).astype(np.float32) if kind == "segment_weighted" else None
+        dense = np.zeros((M, K))
+        dense[ids, np.arange(K)] = 1.0 if data is None else data
+        return CSRMatrix.from_indices(ids, M, data=data), dense
+    if kind == "duplicates":  # repeated (row, col) pairs stay separate entries
+        rows, cols = rng.integers(0, M, 300), rng.integers(0, 8, 300)
+        data = random_values(rng, 300).astype(np.float32)
+        dense = np.zeros((M, N))
+        np.add.at(dense, (rows, cols), data.astype(np.float64))
+        return CSRMatrix.from_coo(rows, cols, data, shape=(M, N)), dense
+    mat = random_csr(rng, M, N, {"general": "power_law", "empty_rows": "empty_rows"}[kind])
+    mat = mat.astype(np.float32)
+    return CSRMatrix.from_scipy(mat), mat.toarray().astype(np.float64)
+
+
+KINDS = ["segment", "segment_sorted", "segment_weighted", "hub", "hub_sorted", "general"]
+KINDS += ["empty_rows", "duplicates"]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_kernel_matches_float64(rng, kind):
+    A, dense = _matrix(rng, kind)
+    assert "native" in str(A.plan_info())
+    for transpose in (False, True):
+        B, ref = (A.T, dense.T) if transpose else (A, dense)
+        for dtype in DTYPES:
+            for f in (1, 7, 40):  # not multiples of the vector width; > 32 and <= 32
+                x = random_values(rng, (B.shape[1], f)).astype(dtype)
+                if B.dtype is not None:
+                    B = B.with_data(B.data.astype(dtype))
+                fn = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu"))
+                y = fn(B, x)
+                assert y.dtype == np.dtype(dtype)
+                # float64 reference of the values as rounded to dtype
+                rounded = ref if B.dtype is None else B.to_scipy().toarray().astype(np.float64)
+                assert_close(y, rounded @ np.asarray(x, np.float64), dtype)
+    # the FFI call is what runs (row gathers, the one-per-row view, stay on XLA)
+    x = jnp.ones((A.shape[1], 3), jnp.float32)
+    text = jax.jit(lambda A, x: jaxcsr.matmul(A, x, impl="cpu")).lower(A, x).as_text()
+    assert "jaxcsr_cpu_" in text
+
+
+@pytest.mark.parametrize("sorted_ids", [False, True])
+def test_traced_ids_drop_what_jax_ops_drops(rng, sorted_ids):
+    """Ids planned on the device (a padded layout): out-of-range ids belong to no row."""
+    ids = power_law_ids(rng, K, M)
+    ids[rng.random(K) < 0.1] = M + 3  # dropped, as jax.ops drops them
+    if sorted_ids:
+        ids = np.sort(ids)
+    else:
+        ids[rng.random(K) < 0.05] = -2
+    v = random_values(rng, (K, 9)).astype(np.float32)
+    for dtype in (np.float32, jnp.bfloat16):
+        fn = jax.jit(
+            lambda i, v: jaxcsr.segment_sum(
+                v, i, num_segments=M, indices_are_sorted=sorted_ids, impl="cpu"
+            )
+        )
+        keep = (ids >= 0) & (ids < M)
+        want = np.zeros((M, 9))
+        np.add.at(want, ids[keep], np.asarray(v.astype(dtype), np.float64)[keep])
+        assert_close(fn(jnp.asarray(ids), v.astype(dtype)), want, dtype)
+        assert "jaxcsr_cpu_" in fn.lower(jnp.asarray(ids), v.astype(dtype)).as_text()
+
+
+@pytest.mark.parametrize("kind", ["hub", "segment", "general"])
+def test_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
+    A, _ = _matrix(rng, kind)
+    for dtype in (np.float32, jnp.bfloat16):
+        for B in (A, A.T) if kind == "general" else (A,):
+            x = random_values(rng, (B.shape[1], 33)).astype(dtype)
+            every = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu"))
+            with cpu.threads(1):
+                one = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu"))
+                lowered = one.lower(B, x).as_text()
+                assert "max_threads = 1" in lowered, lowered[-2000:]
+                y1 = np.asarray(one(B, x))
+            assert "max_threads = 0" in every.lower(B, x).as_text()
+            np.testing.assert_array_equal(y1, np.asarray(every(B, x)))
+    with pytest.raises(ValueError, match="non-negative int"):
+        with cpu.threads(-1):
+            pass
+
+
+def test_gradients_through_the_native_products(rng):
+    A, dense = _matrix(rng, "general")
+    x = random_values(rng, (N, 5)).astype(np.float32)
+    ct = random_values(rng, (M, 5))
+    gx = jax.grad(lambda x: jnp.sum(jaxcsr.matmul(A, x, impl="cpu") * ct))(x)
+    assert_close(gx, dense.T @ ct, np.float32)
+    ids = power_law_ids(rng, K, M)
+    S = CSRMatrix.from_indices(ids, M)
+    v = random_values(rng, (K, 5)).astype(np.float32)
+    gv = jax.grad(lambda v: jnp.sum(jaxcsr.matmul(S, v, impl="cpu") * ct))(v)
+    assert_close(gv, ct[ids], np.float32)
+
+
+def test_corrupted_structures_never_reach_the_kernel(rng):
+    """Through from_arrays: refused in Python. Through the pytree (no checks there):
+    the kernel's own guards raise instead of reading out of bounds."""
+    indptr, indices = np.array([0, 2, 1, 3]), np.array([0, 1, 2])
+    with pytest.raises(ValueError, match="non-decreasing"):
+        CSRMatrix.from_arrays(indptr, indices, shape=(3, 4))
+    with pytest.raises(ValueError, match="indices"):
+        CSRMatrix.from_arrays(np.array([0, 1, 2, 3]), np.array([0, 9, 2]), shape=(3, 4))
+    A = CSRMatrix.from_arrays(np.array([0, 1, 2, 3]), np.array([0, 1, 2]), shape=(3, 4))
+    leaves, tree = jax.tree_util.tree_flatten(A)
+    bad = [
+        jnp.asarray([0, 1, 9_999_999, 3], x.dtype) if x.shape == (4,) and i == 0 else x
+        for i, x in enumerate(leaves)
+    ]
+    corrupted = jax.tree_util.tree_unflatten(tree, bad)
+    with pytest.raises(Exception, match="jaxcsr cpu"):
+        jax.block_until_ready(jaxcsr.matmul(corrupted, jnp.ones((4, 3)), impl="cpu"))
+
+
+HIDDEN = """
+import warnings
+import jax.numpy as jnp, numpy as np
+import jaxcsr
+from jaxcsr.kernels import cpu
+assert not cpu.available() and cpu.library_path() is None
+A = jaxcsr.CSRMatrix.from_indices(np.array([0, 2, 2, 1]), 3)
+assert "cpu" in A.backends
+v = np.arange(8.0, dtype=np.float32).reshape(4, 2)
+with warnings.catch_warnings(record=True) as caught:
+    warnings.simplefilter("always")
+    for _ in range(2):  # two products, one warning
+        y = np.asarray(A @ v)
+np.testing.assert_array_equal(y, [[0, 1], [6, 7], [6, 8]])
+messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
+assert len(messages) == 1 and "compiled CPU library" in messages[0], messages
+try:
+    jaxcsr.matmul(A, v, impl="cpu")
+except RuntimeError as err:
+    assert "impl='cpu' cannot run" in str(err), err
+else:
+    raise AssertionError("impl='cpu' ran without its library")
+print("ok")
+"""
+
+
+def test_without_the_library_products_fall_back_with_one_warning(tmp_path):
+    """The package copied without its built library, as an install without a compiler
+    leaves it."""
+    package = Path(jaxcsr.__file__).parent
+    shutil.copytree(package, tmp_path / "jaxcsr", ignore=shutil.ignore_patterns("*.so"))
+    env = {k: v for k, v in os.environ.items() if k != "JAXCSR_CPU_LIBRARY"}
+    env["PYTHONPATH"] = str(tmp_path)
+    result = subprocess.run(
+        [sys.executable, "-c", HIDDEN], capture_output=True, text=True, timeout=300, env=env,
+        cwd=tmp_path,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.strip() == "ok"
+
+
+SANITIZED = """
+import numpy as np, jax, jax.numpy as jnp
+import jaxcsr
+from jaxcsr.kernels import cpu
+assert cpu.available(), cpu.library_path()
+rng = np.random.default_rng(int(__import__("sys").argv[1]))
+# traced ids (a padded layout), some past the last segment: dropped
+traced_sum = jax.jit(jaxcsr.segment_sum, static_argnames="num_segments")
+for trial in range(4):
+    m, n, k = rng.integers(1, 40), rng.integers(1, 60), rng.integers(0, 500)
+    ids = rng.integers(0, m, k)
+    if trial % 2:
+        ids[: k // 2] = m // 2  # a hub
+    A = jaxcsr.CSRMatrix.from_indices(np.sort(ids) if trial % 3 == 0 else ids, int(m))
+    rows, cols = rng.integers(0, m, k), rng.integers(0, n, k)
+    G = jaxcsr.CSRMatrix.from_coo(rows, cols, rng.standard_normal(k).astype(np.float32),
+                                  shape=(int(m), int(n)))
+    for dtype in (np.float32, jnp.bfloat16, np.float16):
+        for f in (1, 33):
+            v = jnp.asarray(rng.standard_normal((k, f)), dtype)
+            x = jnp.asarray(rng.standard_normal((n, f)), dtype)
+            y = jnp.asarray(rng.standard_normal((m, f)), dtype)
+            for out in (A @ v, G.with_data(G.data.astype(dtype)) @ x,
+                        G.T.with_data(G.T.data.astype(dtype)) @ y,
+                        traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1))):
+                jax.block_until_ready(out)
+print("ok")
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the sanitizer build")
+def test_sanitizer_build_finds_nothing(tmp_path, rng):
+    """AddressSanitizer + UndefinedBehaviorSanitizer build of the kernels (the flags
+    setup.py uses with JAXCSR_SANITIZE=1), run on random structures."""
+    source = Path(cpu.__file__).parent / "csrc" / "cpu_kernels.cc"
+    library = tmp_path / "_cpu_kernels_sanitized.so"
+    flags = ["-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer", "-fPIC", "-shared"]
+    flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+    build = subprocess.run(
+        ["g++", *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(library)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-3000:]
+    # the ASan runtime first; libstdc++ with it, so that C++ exceptions jaxlib throws
+    # and catches find the real __cxa_throw behind ASan's interceptor
+    asan = " ".join(
+        subprocess.run(
+            ["g++", f"-print-file-name={name}"], capture_output=True, text=True
+        ).stdout.strip()
+        for name in ("libasan.so", "libstdc++.so")
+    )
+    env = {
+        **os.environ,
+        "JAXCSR_CPU_LIBRARY": str(library),
+        "JAX_PLATFORMS": "cpu",  # no plugin probing (its C++ exceptions upset the ASan runtime)
+        "LD_PRELOAD": asan,
+        "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=0:exitcode=23",
+        "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1:exitcode=24",
+    }
+    seed = str(int(rng.integers(0, 2**31)))
+    result = subprocess.run(
+        [sys.executable, "-c", SANITIZED, seed], capture_output=True, text=True, timeout=600,
+        env=env,
+    )  # fmt: skip
+    report = result.stderr[-4000:]
+    assert result.returncode == 0, report
+    assert "ERROR: AddressSanitizer" not in result.stderr, report
+    assert "runtime error" not in result.stderr, report
+    assert result.stdout.strip().endswith("ok")
