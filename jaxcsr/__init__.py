@@ -19,6 +19,7 @@ from jaxcsr.segment import (
     segment_max,
     segment_mean,
     segment_min,
+    segment_order,
     segment_softmax,
     segment_sum,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "segment_max",
     "segment_mean",
     "segment_min",
+    "segment_order",
     "segment_softmax",
     "segment_sum",
     "shard",

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcsr import kernels
+from jaxcsr import kernels, plan
 from jaxcsr.matrix import CSRMatrix, matmul
 from jaxcsr.softmax import shifted_exp, softmax_over_rows
 from jaxcsr.validation import (
@@ -86,6 +86,40 @@ def _traced_matrix(segment_ids, num_segments, mode, backends, sorted_ids: bool) 
     return CSRMatrix.from_indices(
         ids, num_segments, backends=backends, indices_are_sorted=sorted_ids
     )
+
+
+def segment_order(segment_ids: Any, num_segments: int | None = None) -> np.ndarray:
+    """The edge permutation that sorts ``segment_ids`` (stable), for static graphs.
+
+    Reorder every per-edge array once, at load time (``ids[perm]``, ``senders[perm]``,
+    edge features ``[perm]``): products over sorted ids read their values in order
+    (on CPU: one pass, no scatter) and ``segment_sum(..., indices_are_sorted=True)``
+    holds. Host-side (numpy), concrete ids only.
+
+    Args:
+      segment_ids: 1-D integer ids (host array).
+      num_segments: as in :func:`segment_sum` (``None``: ``max + 1``); ids must lie
+        in ``[0, num_segments)``.
+
+    Returns:
+      ``perm``, an int64 permutation of ``range(len(segment_ids))`` with
+      ``segment_ids[perm]`` non-decreasing and equal ids in input order.
+
+    Example:
+      >>> import numpy as np
+      >>> ids = np.array([2, 0, 2, 1, 0])
+      >>> perm = segment_order(ids)
+      >>> perm.tolist(), ids[perm].tolist()
+      ([1, 4, 3, 0, 2], [0, 0, 1, 2, 2])
+    """
+    if is_traced(segment_ids):
+        raise TypeError("segment_ids must be concrete: segment_order runs on the host, once")
+    ids = _host_ids(segment_ids)
+    if num_segments is None:
+        num_segments = int(ids.max()) + 1 if ids.size else 0
+    ids, num_segments = check_segment_ids(ids, num_segments, names=("segment_ids", "num_segments"))
+    _, order = plan.segment_ids_to_csr(ids, num_segments)
+    return order.astype(np.int64)
 
 
 def segment_matrix(

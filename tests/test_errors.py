@@ -393,3 +393,14 @@ def test_sddmm_names_bad_input():
         jaxcsr.sddmm(B, np.ones((3, 4), np.int32), np.ones((3, 4)))
     with pytest.raises(TypeError, match=r"A must be a jaxcsr\.CSRMatrix"):
         jaxcsr.sddmm(np.eye(3), np.ones((3, 4)), np.ones((3, 4)))
+
+
+def test_segment_order_checks_its_ids():
+    with pytest.raises(ValueError, match="segment_ids must be < num_segments = 2"):
+        jaxcsr.segment_order(np.array([0, 2]), 2)
+    with pytest.raises(ValueError, match="segment_ids must be 1-D"):
+        jaxcsr.segment_order(np.zeros((2, 2), np.int32))
+    with pytest.raises(TypeError, match="segment_ids"):
+        jaxcsr.segment_order(np.array([0.5]))
+    with pytest.raises(TypeError, match="segment_order runs on the host"):
+        jax.jit(jaxcsr.segment_order)(jnp.array([0, 1]))

@@ -212,3 +212,17 @@ def test_softmax_family_gradients(rng):
     # the gradient of logsumexp is the softmax
     g = jax.grad(lambda x: jnp.sum(jaxcsr.segment_logsumexp(x, ids, 7)))(x)
     assert_close(g, jaxcsr.segment_softmax(x, ids, 7), np.float32)
+
+
+def test_segment_order_sorts_stably_and_keeps_every_product(rng):
+    ids = power_law_ids(rng, 700, 41)
+    perm = jaxcsr.segment_order(ids, 41)
+    assert perm.dtype == np.int64 and np.array_equal(np.sort(perm), np.arange(700))
+    assert np.all(np.diff(ids[perm]) >= 0)
+    for row in np.unique(ids):  # equal ids stay in input order
+        assert np.all(np.diff(perm[ids[perm] == row]) > 0)
+    v = random_values(rng, (700, 6)).astype(np.float32)
+    sorted_sum = jaxcsr.segment_sum(v[perm], ids[perm], 41, indices_are_sorted=True)
+    assert_close(sorted_sum, segment_reference(v, ids, 41), np.float32)
+    assert np.array_equal(jaxcsr.segment_order(np.sort(ids)), np.arange(700))
+    assert jaxcsr.segment_order(np.zeros(0, np.int32)).shape == (0,)

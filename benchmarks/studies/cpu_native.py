@@ -1,0 +1,240 @@
+"""The native CPU backend against the peers, in one run:
+``python -m benchmarks.studies.cpu_native``.
+
+For each graph, width F and dtype, four products, every system timed in turns:
+
+* ``segment``: ``segment_sum`` of per-edge values (``K x F``, edge order) by receiver:
+  jaxcsr (native kernels, all threads and one thread), jaxcsr's XLA path,
+  ``jax.ops.segment_sum``, torch ``index_add_``.
+* ``segment_sorted``: the same values and ids reordered once by
+  :func:`jaxcsr.segment_order`: jaxcsr vs ``segment_sum(..., indices_are_sorted=True)``
+  and torch ``index_add_``.
+* ``spmm`` / ``spmm_T``: the GCN-normalised adjacency (``A @ X`` and ``A.T @ G``, the
+  backward): jaxcsr (native, one thread), jaxcsr's XLA path (jaxlib's CSR kernel),
+  ``jax.experimental.sparse`` BCSR, scipy (float32) and torch ``sparse_csr`` mm.
+
+Every cell reports the achieved GB/s of jaxcsr and its share of the copy bandwidth
+measured in the same process (:func:`benchmarks.measure.memory_bandwidth`), counting
+the floor's bytes: the dense operand read once, the output written once and the
+index arrays (4 B per id; CSR: 4 B per entry and per row) read once. Writes
+``cpu_native.json`` and ``cpu_native.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxcsr
+from benchmarks import report
+from benchmarks.datasets import load_graph
+from benchmarks.measure import memory_bandwidth, time_in_turns, to_numpy
+from jaxcsr import CSRMatrix
+from jaxcsr.kernels import cpu
+
+OURS = ("jaxcsr", "jaxcsr_1_thread", "jaxcsr_xla")
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+def _systems(kind, graph, f, dtype, rng, torch):
+    """``{name: thunk}`` for one cell, plus the bytes of the floor."""
+    m = graph.num_nodes
+    itemsize = np.dtype(dtype).itemsize
+    matmul = jax.jit(lambda A, x: A @ x)
+    xla = jax.jit(lambda A, x: jaxcsr.matmul(A, x, impl="xla"))
+    one = jax.jit(lambda A, x: jaxcsr.matmul(A, x, impl="cpu"))  # traced under threads(1)
+    if kind.startswith("segment"):
+        ids = graph.dst.astype(np.int32)
+        values = rng.standard_normal((ids.size, f)).astype(np.float32)
+        if kind == "segment_sorted":
+            perm = jaxcsr.segment_order(ids, m)
+            ids, values = ids[perm], values[perm]
+        v = jnp.asarray(values, dtype)
+        A = CSRMatrix.from_indices(ids, m)
+        jids = jnp.asarray(ids)
+        sorted_ = kind == "segment_sorted"
+        ops = jax.jit(
+            lambda v, i: jax.ops.segment_sum(v, i, m, indices_are_sorted=sorted_)
+        )
+        with cpu.threads(1):
+            jax.block_until_ready(one(A, v))  # compiled with one thread
+        thunks = {
+            "jaxcsr": lambda: matmul(A, v),
+            "jaxcsr_1_thread": lambda: one(A, v),
+            "jaxcsr_xla": lambda: xla(A, v),
+            "jax.ops": lambda: ops(v, jids),
+        }
+        if torch is not None:
+            tv = torch.from_numpy(values).to(_torch_dtype(torch, dtype))
+            tids = torch.from_numpy(ids.astype(np.int64))
+
+            def index_add():
+                out = torch.zeros((m, f), dtype=tv.dtype)
+                return out.index_add_(0, tids, tv)
+
+            thunks["torch_index_add"] = index_add
+        floor = ids.size * f * itemsize + m * f * itemsize + 4 * ids.size
+        return thunks, floor
+    mat = graph.normalized_adjacency().tocsr().astype(np.float32)
+    if kind == "spmm_T":
+        mat = mat.T.tocsr()
+    x_np = rng.standard_normal((mat.shape[1], f)).astype(np.float32)
+    x = jnp.asarray(x_np, dtype)
+    A = CSRMatrix.from_scipy(mat)
+    A = A.with_data(A.data.astype(dtype))
+    from jax.experimental import sparse
+
+    bcsr = sparse.BCSR.from_scipy_sparse(mat)
+    bcsr = sparse.BCSR((bcsr.data.astype(dtype), bcsr.indices, bcsr.indptr), shape=bcsr.shape)
+    bcsr_fn = jax.jit(lambda B, x: B @ x)
+    with cpu.threads(1):
+        jax.block_until_ready(one(A, x))
+    thunks = {
+        "jaxcsr": lambda: matmul(A, x),
+        "jaxcsr_1_thread": lambda: one(A, x),
+        "jaxcsr_xla": lambda: xla(A, x),
+        "bcsr": lambda: bcsr_fn(bcsr, x),
+    }
+    if np.dtype(dtype) == np.float32:
+        thunks["scipy"] = lambda: mat @ x_np
+    if torch is not None:
+        tdtype = _torch_dtype(torch, dtype)
+        tmat = torch.sparse_csr_tensor(
+            torch.from_numpy(mat.indptr.astype(np.int64)),
+            torch.from_numpy(mat.indices.astype(np.int64)),
+            torch.from_numpy(mat.data).to(tdtype),
+            size=mat.shape,
+        )
+        tx = torch.from_numpy(x_np).to(tdtype)
+        thunks["torch_sparse_csr"] = lambda: tmat @ tx
+    m, n = mat.shape
+    floor = (n + m) * f * itemsize + mat.nnz * (4 + itemsize) + 4 * (m + 1)
+    return thunks, floor
+
+
+def _torch_dtype(torch, dtype):
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[np.dtype(dtype).name]
+
+
+def run_cell(kind, graph, f, dtype, repeats, copy_gbps, rng, torch) -> dict:
+    thunks, floor = _systems(kind, graph, f, dtype, rng, torch)
+    timings, outs = {}, {}
+    try:
+        timings, outs = time_in_turns(thunks, repeats)
+    except Exception as err:  # a peer without this dtype: time the others
+        print(f"  {kind}: {err!r}; timing without failing systems", flush=True)
+        for name in list(thunks):
+            try:
+                jax.block_until_ready(thunks[name]())
+            except Exception:
+                del thunks[name]
+        timings, outs = time_in_turns(thunks, repeats)
+    ref = to_numpy(outs["jaxcsr_xla"]).astype(np.float64)
+    scale = max(1.0, float(np.abs(ref).max()))
+    row = {"kind": kind, "graph": graph.name, "features": f, "dtype": np.dtype(dtype).name}
+    row["ms"] = {k: t.median_s * 1e3 for k, t in timings.items()}
+    row["max_abs_diff_vs_xla_path"] = {
+        k: float(np.abs(to_numpy(o).astype(np.float64) - ref).max() / scale)
+        for k, o in outs.items()
+    }
+    peers = {k: v for k, v in row["ms"].items() if k not in OURS}
+    best = min(peers, key=peers.get)
+    ours = row["ms"]["jaxcsr"]
+    row["best_peer"] = best
+    row["vs_best_peer"] = peers[best] / ours
+    row["vs_xla_path"] = row["ms"]["jaxcsr_xla"] / ours
+    row["threads_speedup"] = row["ms"]["jaxcsr_1_thread"] / ours
+    row["floor_bytes"] = int(floor)
+    row["gbps"] = floor / (ours / 1e3) / 1e9
+    row["pct_of_copy"] = 100 * row["gbps"] / copy_gbps
+    return row
+
+
+def markdown(result: dict) -> str:
+    bw = result["bandwidth"]
+    lines = [
+        f"### Native CPU backend vs peers ({result['threads']} threads; copy bandwidth "
+        f"{bw['copy_gbps']:.1f} GB/s, read {bw['read_gbps']:.1f} GB/s, measured in the run)",
+        "",
+        "ms are medians; `vs best peer` = best peer's time / jaxcsr's; `1 -> all threads` "
+        "= jaxcsr on one thread / on all; GB/s counts the floor's bytes.",
+        "",
+        "| product | graph | F | dtype | jaxcsr ms | 1 thread ms | xla path ms | best peer "
+        "| peer ms | vs best peer | 1 -> all threads | GB/s | % of copy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["rows"]:
+        ms = r["ms"]
+        lines.append(
+            f"| {r['kind']} | {r['graph']} | {r['features']} | {r['dtype']} | "
+            f"{ms['jaxcsr']:.2f} | {ms['jaxcsr_1_thread']:.2f} | {ms['jaxcsr_xla']:.2f} | "
+            f"{r['best_peer']} | {ms[r['best_peer']]:.2f} | {r['vs_best_peer']:.2f}x | "
+            f"{r['threads_speedup']:.2f}x | {r['gbps']:.1f} | {r['pct_of_copy']:.0f} |"
+        )
+    ratios = np.array([r["vs_best_peer"] for r in result["rows"]])
+    if ratios.size:
+        geo = float(np.exp(np.log(ratios).mean()))
+        lines += [
+            "",
+            f"Geometric mean vs best peer: {geo:.2f}x over {ratios.size} cells; "
+            f"{int((ratios < 1.0).sum())} cells below 1.0x, {int((ratios >= 1.3).sum())} "
+            "at or above 1.3x.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--graphs", default="tolokers,musae_github,planetoid_pubmed")
+    p.add_argument("--kinds", default="segment,segment_sorted,spmm,spmm_T")
+    p.add_argument("--features", default="16,64,256")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
+    args = p.parse_args(argv)
+    if not cpu.available():
+        raise SystemExit("the native CPU library is not built: pip install -e . with a compiler")
+    torch = _torch()
+    bandwidth = memory_bandwidth(256)
+    print(f"copy bandwidth {bandwidth['copy_gbps']:.1f} GB/s", flush=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for name in args.graphs.split(","):
+        graph = load_graph(name)
+        for kind in args.kinds.split(","):
+            for f in [int(v) for v in args.features.split(",")]:
+                for dtype in args.dtypes.split(","):
+                    dt = jnp.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
+                    row = run_cell(kind, graph, f, dt, args.repeats, bandwidth["copy_gbps"],
+                                   rng, torch)  # fmt: skip
+                    rows.append(row)
+                    print(
+                        f"{kind} {name} F={f} {dtype}: jaxcsr {row['ms']['jaxcsr']:.2f} ms, "
+                        f"{row['vs_best_peer']:.2f}x vs {row['best_peer']}, "
+                        f"{row['threads_speedup']:.2f}x from threads, {row['gbps']:.1f} GB/s",
+                        flush=True,
+                    )
+    result = {
+        "bandwidth": bandwidth,
+        "threads": os.cpu_count(),
+        "rows": rows,
+        "command": "python -m benchmarks.studies.cpu_native " + " ".join(argv or []),
+    }
+    print(f"wrote {report.write_study(args.out, 'cpu_native', result, markdown(result))}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
