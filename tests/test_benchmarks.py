@@ -236,3 +236,20 @@ def test_sharded_scale_table(tmp_path):
     assert many["block_entries"] >= many["largest_row"]
     assert many["output_bytes"] < four["output_bytes"]
     assert "entry slots per block" in (tmp_path / "sharded_scale.md").read_text()
+
+
+def test_cpu_native_study(tmp_path):
+    from benchmarks.studies import cpu_native
+    from jaxcsr.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("the CPU library is not built")
+    argv = ["--graphs", "cora", "--kinds", "segment,segment_sorted,spmm_T", "--features", "8"]
+    argv += ["--dtypes", "float32,bfloat16", "--repeats", "1", "--out", str(tmp_path)]
+    result = cpu_native.main(argv)
+    assert len(result["rows"]) == 6
+    for row in result["rows"]:  # every system agrees with the XLA path
+        for system, diff in row["max_abs_diff_vs_xla_path"].items():
+            assert diff <= (2e-2 if row["dtype"] == "bfloat16" else 1e-5), (row, system)
+        assert row["gbps"] > 0 and row["best_peer"] not in cpu_native.OURS
+    assert "% of copy" in (tmp_path / "cpu_native.md").read_text()

@@ -16,8 +16,9 @@ For each graph, width F and dtype, four products, every system timed in turns:
 Every cell reports the achieved GB/s of jaxcsr and its share of the copy bandwidth
 measured in the same process (:func:`benchmarks.measure.memory_bandwidth`), counting
 the floor's bytes: the dense operand read once, the output written once and the
-index arrays (4 B per id; CSR: 4 B per entry and per row) read once. Writes
-``cpu_native.json`` and ``cpu_native.md`` to ``--out``.
+index arrays (4 B per id; CSR: 4 B per entry and per row) read once. torch runs
+with ``OMP_WAIT_POLICY=PASSIVE`` (see :mod:`benchmarks`). Writes ``cpu_native.json``
+and ``cpu_native.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -65,9 +66,7 @@ def _systems(kind, graph, f, dtype, rng, torch):
         A = CSRMatrix.from_indices(ids, m)
         jids = jnp.asarray(ids)
         sorted_ = kind == "segment_sorted"
-        ops = jax.jit(
-            lambda v, i: jax.ops.segment_sum(v, i, m, indices_are_sorted=sorted_)
-        )
+        ops = jax.jit(lambda v, i: jax.ops.segment_sum(v, i, m, indices_are_sorted=sorted_))
         with cpu.threads(1):
             jax.block_until_ready(one(A, v))  # compiled with one thread
         thunks = {
@@ -227,6 +226,7 @@ def main(argv=None) -> dict:
                         flush=True,
                     )
     result = {
+        "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "bandwidth": bandwidth,
         "threads": os.cpu_count(),
         "rows": rows,
