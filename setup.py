@@ -37,7 +37,7 @@ class OptionalBuild(build_ext):
 flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-Wall"]
 link = []
 if os.environ.get("JAXCSR_SANITIZE"):
-    flags = ["-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer"]
+    flags = ["-std=c++17", "-O0", "-g", "-fno-omit-frame-pointer"]
     flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
     link = ["-fsanitize=address,undefined"]
 

@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import assert_close, power_law_ids, random_csr, random_values
+from reference import assert_close, power_law_ids, random_csr, random_values, reduce_reference
 
 import jaxcsr
 from jaxcsr import CSRMatrix
@@ -67,25 +67,41 @@ KINDS += ["empty_rows", "duplicates"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_matches_float64(rng, kind):
-    A, dense = _matrix(rng, kind)
+    """Sum, max and min of both views, three dtypes, widths in the register path (<= 32)
+    and past it, against float64 (max/min: reduce_reference, ties and NaN included)."""
+    A, _ = _matrix(rng, kind)
     assert "native" in str(A.plan_info())
-    for transpose in (False, True):
-        B, ref = (A.T, dense.T) if transpose else (A, dense)
+    reduces = ("sum", "max", "min")
+    fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
+    for B in (A, A.T):
         for dtype in DTYPES:
-            for f in (1, 7, 40):  # not multiples of the vector width; > 32 and <= 32
+            for f in (5, 40):  # not multiples of the vector width
                 x = random_values(rng, (B.shape[1], f)).astype(dtype)
-                if B.dtype is not None:
+                if B.dtype is not None:  # the reference reads the values as rounded
                     B = B.with_data(B.data.astype(dtype))
-                fn = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu"))
-                y = fn(B, x)
-                assert y.dtype == np.dtype(dtype)
-                # float64 reference of the values as rounded to dtype
-                rounded = ref if B.dtype is None else B.to_scipy().toarray().astype(np.float64)
-                assert_close(y, rounded @ np.asarray(x, np.float64), dtype)
+                for reduce, y in zip(reduces, fn(B, x), strict=True):
+                    assert y.dtype == np.dtype(dtype)
+                    want, _ = reduce_reference(B, np.asarray(x, np.float64), reduce)
+                    assert_close(y, want, dtype)
     # the FFI call is what runs (row gathers, the one-per-row view, stay on XLA)
     x = jnp.ones((A.shape[1], 3), jnp.float32)
     text = jax.jit(lambda A, x: jaxcsr.matmul(A, x, impl="cpu")).lower(A, x).as_text()
     assert "jaxcsr_cpu_" in text
+
+
+def test_max_and_min_propagate_nan_and_zero_empty_rows(rng):
+    ids = np.array([0, 0, 2, 2, 2])  # row 1 empty
+    v = random_values(rng, (5, 3)).astype(np.float32)
+    v[3, 1] = np.nan
+    for sorted_ids in (True, False):
+        order = np.arange(5) if sorted_ids else np.array([4, 2, 0, 3, 1])
+        A = CSRMatrix.from_indices(ids[order], 3)
+        for reduce in ("max", "min"):
+            y = np.asarray(jaxcsr.matmul(A, v[order], reduce=reduce, impl="cpu"))
+            want = getattr(np, reduce)(v[2:], axis=0)  # np.max/min propagate NaN
+            np.testing.assert_array_equal(y[2], want)
+            np.testing.assert_array_equal(y[1], 0.0)
+            assert np.isnan(y[2, 1])
 
 
 @pytest.mark.parametrize("sorted_ids", [False, True])
@@ -225,7 +241,9 @@ for trial in range(4):
             v = jnp.asarray(rng.standard_normal((k, f)), dtype)
             x = jnp.asarray(rng.standard_normal((n, f)), dtype)
             y = jnp.asarray(rng.standard_normal((m, f)), dtype)
-            for out in (A @ v, G.with_data(G.data.astype(dtype)) @ x,
+            reduce = ("sum", "max", "min")[(trial + f) % 3]
+            for out in (jaxcsr.matmul(A, v, reduce=reduce),
+                        jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce=reduce),
                         G.T.with_data(G.T.data.astype(dtype)) @ y,
                         traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1))):
                 jax.block_until_ready(out)
@@ -239,7 +257,7 @@ def test_sanitizer_build_finds_nothing(tmp_path, rng):
     setup.py uses with JAXCSR_SANITIZE=1), run on random structures."""
     source = Path(cpu.__file__).parent / "csrc" / "cpu_kernels.cc"
     library = tmp_path / "_cpu_kernels_sanitized.so"
-    flags = ["-std=c++17", "-O1", "-g", "-fno-omit-frame-pointer", "-fPIC", "-shared"]
+    flags = ["-std=c++17", "-O0", "-g", "-fno-omit-frame-pointer", "-fPIC", "-shared"]
     flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
     build = subprocess.run(
         ["g++", *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(library)],

@@ -2,10 +2,11 @@
 
 ``csrc/cpu_kernels.cc`` is compiled by ``pip install`` into a plain shared library
 (``_cpu_kernels*.so`` beside this module), loaded with ``ctypes`` and registered with
-``jax.ffi.register_ffi_target`` for the ``cpu`` platform. Two sum kernels split
+``jax.ffi.register_ffi_target`` for the ``cpu`` platform. Two kernels split
 their rows over XLA's intra-op thread pool (rows whole, so every row is summed in
 one fixed order: bit-identical for any thread count), read 16-bit operands as they
-are and accumulate in float32:
+are and accumulate in float32; each takes ``reduce="sum"``, ``"max"`` or ``"min"``
+(empty rows 0, NaN propagates):
 
 ``pull``
     ``y[r] = sum_j data[j] * x[cols[j]]`` over row ``r``'s entries in CSR order:
@@ -16,8 +17,9 @@ are and accumulate in float32:
     ids in input order and adds ``x[k]`` to its own rows, so ``x`` is streamed rather
     than gathered at random (a pull through the sort permutation is latency-bound).
 
-``reduce="max"``/``"min"``, row gathers (the backward of a segment sum: a copy in
-the operand's dtype) and float64 run on the XLA path (:mod:`jaxcsr.kernels.xla`). The
+Row gathers (the backward of a segment sum: a copy in the operand's dtype), float64
+and integers run on the XLA path (:mod:`jaxcsr.kernels.xla`), as does the arg search
+of ``return_arg`` and the max/min gradient (the fallback's, for every backend). The
 backend plans nothing beyond the portable core. Without the library (no compiler at
 install time) :func:`available` is False: products fall back to XLA, with one
 warning per process.
@@ -44,6 +46,7 @@ __all__ = ["available", "covers", "describe", "library_path", "plan", "product",
 
 _TARGETS = {"jaxcsr_cpu_pull": "JaxcsrCsrPull", "jaxcsr_cpu_push": "JaxcsrRowPush"}
 _MAX_THREADS = 0
+_REDUCE = {"sum": 0, "max": 1, "min": 2}
 
 
 def library_path() -> Path | None:
@@ -105,7 +108,7 @@ def kernel_for(view: Structure) -> str:
 
 def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
     del n_features
-    return {"cpu": f"native {kernel_for(view)} (sum; max/min on xla)"}
+    return {"cpu": f"native {kernel_for(view)}"}
 
 
 def runs(view: Structure, x_dtype, data_dtype, out_dtype) -> bool:
@@ -120,10 +123,10 @@ def runs(view: Structure, x_dtype, data_dtype, out_dtype) -> bool:
 
 
 def product(x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret, platform):
-    """Backend entry: the viewed matrix times ``x``; sums natively, max/min on XLA."""
+    """Backend entry: the viewed matrix times ``x`` with ``reduce``, natively."""
     del cpu_plan, interpret
     data_dtype = None if data is None else data.dtype
-    if reduce != "sum" or platform != "cpu" or not runs(view, x.dtype, data_dtype, out_dtype):
+    if platform != "cpu" or not runs(view, x.dtype, data_dtype, out_dtype):
         return xla.product(
             x, data, view, None, reduce=reduce, out_dtype=out_dtype, interpret=False,
             platform=platform,
@@ -133,7 +136,7 @@ def product(x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret,
     m, f = view.shape[0], x.shape[1]
     out = jax.ShapeDtypeStruct((m, f), out_dtype)
     none = jnp.zeros((0,), dtype)
-    attrs = {"max_threads": np.int64(_MAX_THREADS)}
+    attrs = {"max_threads": np.int64(_MAX_THREADS), "reduce": np.int64(_REDUCE[reduce])}
     if kernel_for(view) == "push":
         values = none if data is None else view.column_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_push", out)

@@ -1,18 +1,19 @@
 // jaxcsr's CPU kernels, called through XLA FFI (jaxcsr/kernels/cpu.py).
 //
-// Two sum products, both row-parallel over XLA's intra-op thread pool, rows whole:
+// Two products, both row-parallel over XLA's intra-op thread pool, rows whole, each
+// with a sum, max or min over a row's entries (Op; empty rows are 0):
 //
-// * CsrPull: y[r] = sum_{j in row r} data[j] * x[cols[j]], rows in CSR order
-//   (general matrices, sorted segment ids, row gathers). Each row is accumulated
-//   in float32 in CSR order, then stored once in the output dtype.
-// * RowPush: the one-per-column view (unsorted segment ids): entry k adds
+// * CsrPull: y[r] = op_{j in row r} data[j] * x[cols[j]], rows in CSR order
+//   (general matrices and their transposes, sorted segment ids). Each row is
+//   accumulated in float32 in CSR order, then stored once in the output dtype.
+// * RowPush: the one-per-column view (unsorted segment ids): entry k brings
 //   data[k] * x[k] to row ids[k]. Every chunk owns a range of rows and scans all
-//   ids, so x is read in input order and each row is summed in input order.
+//   ids, so x is read in input order and each row is reduced in input order.
 //
-// Either way each output row is summed in one fixed order, whatever the number of
+// Either way each output row is reduced in one fixed order, whatever the number of
 // threads or chunks: results are bit-identical for any thread count. Ids outside
 // [0, rows) belong to no row (they are dropped, as jax.ops drops them).
-// Everything is checked in Python before the call; the checks here guard shapes.
+// Everything is checked in Python before the call; the checks here guard memory.
 
 #include <algorithm>
 #include <atomic>
@@ -102,17 +103,40 @@ struct F16 {
   JAXCSR_INLINE static uint16_t store(float v) { return f32_to_f16(v); }
 };
 
-// acc[0:f] += w * x[0:f] (x converted to float32): the inner loops, inlined into the
-// row loops below, which are compiled twice (AVX2 and the baseline; see Isa).
-template <typename In>
-JAXCSR_INLINE void axpy(float* __restrict acc, const typename In::Storage* __restrict x,
-                        float w, int64_t f) {
-  for (int64_t i = 0; i < f; ++i) acc[i] += w * In::load(x[i]);
+// The reductions: acc = combine(acc, v) from init; max/min propagate NaN (as XLA's).
+struct Sum {
+  static constexpr float init = 0.0f;
+  JAXCSR_INLINE static float combine(float acc, float v) { return acc + v; }
+};
+struct Max {
+  static constexpr float init = -__builtin_inff();
+  JAXCSR_INLINE static float combine(float acc, float v) {
+    return (v > acc || v != v) ? v : acc;
+  }
+};
+struct Min {
+  static constexpr float init = __builtin_inff();
+  JAXCSR_INLINE static float combine(float acc, float v) {
+    return (v < acc || v != v) ? v : acc;
+  }
+};
+
+// acc[0:f] = combine(acc, w * x[0:f]) (x converted to float32): the inner loop,
+// inlined into the row loops below, which are compiled twice (AVX2 and baseline).
+template <typename In, typename Op>
+JAXCSR_INLINE void accumulate(float* __restrict acc, const typename In::Storage* __restrict x,
+                              float w, int64_t f) {
+  for (int64_t i = 0; i < f; ++i) acc[i] = Op::combine(acc[i], w * In::load(x[i]));
 }
 
+// y[0:f] = acc (or 0 for an empty row of max/min, whose acc is still +-inf).
 template <typename Out>
 JAXCSR_INLINE void store_row(typename Out::Storage* __restrict y, const float* __restrict acc,
-                             int64_t f) {
+                             int64_t f, bool empty) {
+  if (empty) {
+    for (int64_t i = 0; i < f; ++i) y[i] = Out::store(0.0f);
+    return;
+  }
   for (int64_t i = 0; i < f; ++i) y[i] = Out::store(acc[i]);
 }
 
@@ -169,108 +193,85 @@ std::vector<int64_t> row_chunks(const int32_t* indptr, int64_t rows, int64_t chu
 }
 
 // ------------------------------------------------------------------ kernels
-// One row of the pull product, features [b, b + width): the accumulators stay in
-// registers while the row's entries stream by (Width: a compile-time block).
-template <typename In, typename Out, int64_t Width>
-JAXCSR_INLINE void pull_block(const int32_t* cols, const typename In::Storage* data,
-                              const typename In::Storage* x, typename Out::Storage* y,
-                              int64_t f, int64_t j0, int64_t j1, int64_t b, int64_t width,
-                              uint64_t n, bool& bad) {
-  float acc[Width] = {};
-  for (int64_t j = j0; j < j1; ++j) {
-    const int64_t col = cols ? cols[j] : j;
-    if (static_cast<uint64_t>(col) >= n) {  // never read outside x
-      bad = true;
-      continue;
-    }
-    if (cols && j + 8 < j1) __builtin_prefetch(x + static_cast<int64_t>(cols[j + 8]) * f + b);
-    const float w = data ? In::load(data[j]) : 1.0f;
-    const typename In::Storage* xr = x + col * f + b;
-    if (width == Width) {
-      for (int64_t i = 0; i < Width; ++i) acc[i] += w * In::load(xr[i]);
-    } else {
-      for (int64_t i = 0; i < width; ++i) acc[i] += w * In::load(xr[i]);
-    }
-  }
-  for (int64_t i = 0; i < width; ++i) y[i] = Out::store(acc[i]);
-}
-
-// Rows [lo, hi) of the pull product. Up to 32 features the accumulators stay in
-// registers (one pass over the row's entries); wider rows accumulate in ``acc``
-// (f floats, in L1) over one pass too.
-template <typename In, typename Out>
+// Rows [lo, hi) of the pull product. Up to 32 features a row's accumulators stay in
+// registers; wider rows accumulate in ``acc`` (f floats, in L1). One pass over each
+// row's entries either way.
+template <typename In, typename Out, typename Op>
 JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
                                   const typename In::Storage* data,
                                   const typename In::Storage* x, typename Out::Storage* y,
                                   int64_t f, int64_t lo, int64_t hi, float* acc, uint64_t n,
                                   bool& bad) {
   constexpr int64_t kWidth = 32;
+  float local[kWidth];
+  float* a = f <= kWidth ? local : acc;
   for (int64_t r = lo; r < hi; ++r) {
     const int64_t j0 = indptr[r], j1 = indptr[r + 1];
-    if (f <= kWidth) {
-      pull_block<In, Out, kWidth>(cols, data, x, y + r * f, f, j0, j1, 0, f, n, bad);
-      continue;
-    }
-    std::fill(acc, acc + f, 0.0f);
+    std::fill(a, a + f, Op::init);
     for (int64_t j = j0; j < j1; ++j) {
       const int64_t col = cols ? cols[j] : j;
-      if (static_cast<uint64_t>(col) >= n) {
+      if (static_cast<uint64_t>(col) >= n) {  // never read outside x
         bad = true;
         continue;
       }
       if (cols && j + 8 < j1) __builtin_prefetch(x + static_cast<int64_t>(cols[j + 8]) * f);
-      axpy<In>(acc, x + col * f, data ? In::load(data[j]) : 1.0f, f);
+      const float w = data ? In::load(data[j]) : 1.0f;
+      if (f <= kWidth) {
+        accumulate<In, Op>(local, x + col * f, w, f);
+      } else {
+        accumulate<In, Op>(acc, x + col * f, w, f);
+      }
     }
-    store_row<Out>(y + r * f, acc, f);
+    store_row<Out>(y + r * f, a, f, j1 == j0);
   }
 }
 
 // Rows [lo, hi) of the push product: every id is scanned, those in range are added.
-template <typename In, typename Out>
+template <typename In, typename Out, typename Op>
 JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage* data,
                                   const typename In::Storage* x, float* acc_all,
                                   int64_t entries, int64_t f, int64_t lo, int64_t hi) {
-  std::fill(acc_all + lo * f, acc_all + hi * f, 0.0f);
+  std::fill(acc_all + lo * f, acc_all + hi * f, Op::init);
   for (int64_t k = 0; k < entries; ++k) {
     const int64_t r = ids[k];
     if (r < lo || r >= hi) continue;
-    axpy<In>(acc_all + r * f, x + k * f, data ? In::load(data[k]) : 1.0f, f);
+    accumulate<In, Op>(acc_all + r * f, x + k * f, data ? In::load(data[k]) : 1.0f, f);
   }
 }
 
 // Each row loop compiled for AVX2 and for the baseline; chosen once at run time.
-template <typename In, typename Out>
+template <typename In, typename Out, typename Op>
 __attribute__((target("avx2"))) void pull_rows_avx2(const int32_t* indptr, const int32_t* cols,
                                                     const typename In::Storage* data,
                                                     const typename In::Storage* x,
                                                     typename Out::Storage* y, int64_t f,
                                                     int64_t lo, int64_t hi, float* acc,
                                                     uint64_t n, bool& bad) {
-  pull_rows_body<In, Out>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
+  pull_rows_body<In, Out, Op>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
 }
 
-template <typename In, typename Out>
+template <typename In, typename Out, typename Op>
 void pull_rows_base(const int32_t* indptr, const int32_t* cols,
                     const typename In::Storage* data, const typename In::Storage* x,
                     typename Out::Storage* y, int64_t f, int64_t lo, int64_t hi, float* acc,
                     uint64_t n, bool& bad) {
-  pull_rows_body<In, Out>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
+  pull_rows_body<In, Out, Op>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
 }
 
-template <typename In, typename Out>
+template <typename In, typename Out, typename Op>
 __attribute__((target("avx2"))) void push_rows_avx2(const int32_t* ids,
                                                     const typename In::Storage* data,
                                                     const typename In::Storage* x,
                                                     float* acc_all, int64_t entries,
                                                     int64_t f, int64_t lo, int64_t hi) {
-  push_rows_body<In, Out>(ids, data, x, acc_all, entries, f, lo, hi);
+  push_rows_body<In, Out, Op>(ids, data, x, acc_all, entries, f, lo, hi);
 }
 
-template <typename In, typename Out>
+template <typename In, typename Out, typename Op>
 void push_rows_base(const int32_t* ids, const typename In::Storage* data,
                     const typename In::Storage* x, float* acc_all, int64_t entries, int64_t f,
                     int64_t lo, int64_t hi) {
-  push_rows_body<In, Out>(ids, data, x, acc_all, entries, f, lo, hi);
+  push_rows_body<In, Out, Op>(ids, data, x, acc_all, entries, f, lo, hi);
 }
 
 bool has_avx2() {
@@ -279,7 +280,7 @@ bool has_avx2() {
 }
 
 // Returns false if a column index was outside [0, n) (those entries are skipped).
-template <typename In, typename Out>
+template <typename In, typename Out, typename Op>
 bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const int32_t* cols, const typename In::Storage* data,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
@@ -289,7 +290,8 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   const int64_t chunks = std::max<int64_t>(
       1, std::min<int64_t>(threads * 8, (nnz * f + rows) / 16384 + 1));
   const std::vector<int64_t> starts = row_chunks(indptr, rows, chunks);
-  const auto rows_fn = has_avx2() ? pull_rows_avx2<In, Out> : pull_rows_base<In, Out>;
+  const auto rows_fn =
+      has_avx2() ? pull_rows_avx2<In, Out, Op> : pull_rows_base<In, Out, Op>;
   std::atomic<bool> any_bad{false};
   parallel_chunks(pool, chunks, threads, [&](int64_t c) {
     std::vector<float> acc(f);
@@ -301,7 +303,7 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   return !any_bad.load();
 }
 
-template <typename In, typename Out>
+template <typename In, typename Out, typename Op>
 void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const int32_t* ids, const typename In::Storage* data,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
@@ -311,28 +313,41 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   const int64_t chunks = std::max<int64_t>(
       1, std::min<int64_t>(threads, (entries * f) / 65536 + 1));
   const std::vector<int64_t> starts = row_chunks(indptr, rows, chunks);
-  constexpr bool direct = std::is_same<Out, F32>::value;
+  // float32 sums accumulate in the output itself; everything else in float32 scratch
+  constexpr bool direct = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
   std::vector<float> scratch(direct ? 0 : rows * f);
   float* acc_all = direct ? reinterpret_cast<float*>(y) : scratch.data();
-  const auto rows_fn = has_avx2() ? push_rows_avx2<In, Out> : push_rows_base<In, Out>;
+  const auto rows_fn =
+      has_avx2() ? push_rows_avx2<In, Out, Op> : push_rows_base<In, Out, Op>;
   parallel_chunks(pool, chunks, threads, [&](int64_t c) {
     const int64_t lo = starts[c], hi = starts[c + 1];
     rows_fn(ids, data, x, acc_all, entries, f, lo, hi);
     if (!direct) {
-      for (int64_t r = lo; r < hi; ++r) store_row<Out>(y + r * f, acc_all + r * f, f);
+      for (int64_t r = lo; r < hi; ++r)
+        store_row<Out>(y + r * f, acc_all + r * f, f, indptr[r + 1] == indptr[r]);
     }
   });
 }
 
 // ------------------------------------------------------------------ dispatch
-template <template <typename, typename> class Kernel, typename... Args>
-ffi::Error dispatch(ffi::DataType in, ffi::DataType out, Args&&... args) {
-  auto with_out = [&](auto in_tag) -> ffi::Error {
+// Kernel<In, Out, Op>::run(args...) for the operand dtype, output dtype and reduction.
+template <template <typename, typename, typename> class Kernel, typename... Args>
+ffi::Error dispatch(ffi::DataType in, ffi::DataType out, int64_t reduce, Args&&... args) {
+  auto with_op = [&](auto in_tag, auto out_tag) -> ffi::Error {
     using In = decltype(in_tag);
+    using Out = decltype(out_tag);
+    switch (reduce) {
+      case 0: return Kernel<In, Out, Sum>::run(args...);
+      case 1: return Kernel<In, Out, Max>::run(args...);
+      case 2: return Kernel<In, Out, Min>::run(args...);
+      default: return ffi::Error::InvalidArgument("jaxcsr cpu: unknown reduction");
+    }
+  };
+  auto with_out = [&](auto in_tag) -> ffi::Error {
     switch (out) {
-      case ffi::DataType::F32: return Kernel<In, F32>::run(args...);
-      case ffi::DataType::BF16: return Kernel<In, BF16>::run(args...);
-      case ffi::DataType::F16: return Kernel<In, F16>::run(args...);
+      case ffi::DataType::F32: return with_op(in_tag, F32{});
+      case ffi::DataType::BF16: return with_op(in_tag, BF16{});
+      case ffi::DataType::F16: return with_op(in_tag, F16{});
       default: return ffi::Error::InvalidArgument("jaxcsr cpu: unsupported output dtype");
     }
   };
@@ -344,29 +359,29 @@ ffi::Error dispatch(ffi::DataType in, ffi::DataType out, Args&&... args) {
   }
 }
 
-template <typename In, typename Out>
+template <typename In, typename Out, typename Op>
 struct PullKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                         const int32_t* cols, const void* data, const void* x, void* y,
                         int64_t rows, int64_t f, int64_t n) {
-    const bool ok = csr_pull<In, Out>(pool, max_threads, indptr, cols,
-                                      static_cast<const typename In::Storage*>(data),
-                                      static_cast<const typename In::Storage*>(x),
-                                      static_cast<typename Out::Storage*>(y), rows, f, n);
+    const bool ok = csr_pull<In, Out, Op>(pool, max_threads, indptr, cols,
+                                          static_cast<const typename In::Storage*>(data),
+                                          static_cast<const typename In::Storage*>(x),
+                                          static_cast<typename Out::Storage*>(y), rows, f, n);
     if (!ok) return ffi::Error::InvalidArgument("jaxcsr cpu: a column index is out of range");
     return ffi::Error::Success();
   }
 };
 
-template <typename In, typename Out>
+template <typename In, typename Out, typename Op>
 struct PushKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                         const int32_t* ids, const void* data, const void* x, void* y,
                         int64_t rows, int64_t entries, int64_t f) {
-    row_push<In, Out>(pool, max_threads, indptr, ids,
-                      static_cast<const typename In::Storage*>(data),
-                      static_cast<const typename In::Storage*>(x),
-                      static_cast<typename Out::Storage*>(y), rows, entries, f);
+    row_push<In, Out, Op>(pool, max_threads, indptr, ids,
+                          static_cast<const typename In::Storage*>(data),
+                          static_cast<const typename In::Storage*>(x),
+                          static_cast<typename Out::Storage*>(y), rows, entries, f);
     return ffi::Error::Success();
   }
 };
@@ -390,7 +405,7 @@ bool valid_indptr(const int32_t* indptr, int64_t rows, int64_t nnz) {
 
 ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                        ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer data, ffi::AnyBuffer x,
-                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
+                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce) {
   const int64_t rows = static_cast<int64_t>(indptr.element_count()) - 1;
   if (rows < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
   if (auto err = check_2d(x, y, rows); err.failure()) return err;
@@ -403,7 +418,7 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
       (has_data && static_cast<int64_t>(data.element_count()) != nnz) ||
       (has_data && data.element_type() != x.element_type()))
     return ffi::Error::InvalidArgument("jaxcsr cpu: cols/data do not match indptr");
-  return dispatch<PullKernel>(x.element_type(), y->element_type(), pool, max_threads,
+  return dispatch<PullKernel>(x.element_type(), y->element_type(), reduce, pool, max_threads,
                               indptr.typed_data(), has_cols ? cols.typed_data() : nullptr,
                               has_data ? data.untyped_data() : nullptr, x.untyped_data(),
                               y->untyped_data(), rows, x.dimensions()[1], n);
@@ -411,7 +426,7 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
 
 ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                        ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::AnyBuffer x,
-                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
+                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce) {
   const int64_t rows = static_cast<int64_t>(indptr.element_count()) - 1;
   if (rows < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
   if (auto err = check_2d(x, y, rows); err.failure()) return err;
@@ -424,7 +439,7 @@ ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
       (has_data && (static_cast<int64_t>(data.element_count()) != entries ||
                     data.element_type() != x.element_type())))
     return ffi::Error::InvalidArgument("jaxcsr cpu: ids/data/operand do not match");
-  return dispatch<PushKernel>(x.element_type(), y->element_type(), pool, max_threads,
+  return dispatch<PushKernel>(x.element_type(), y->element_type(), reduce, pool, max_threads,
                               indptr.typed_data(), ids.typed_data(),
                               has_data ? data.untyped_data() : nullptr, x.untyped_data(),
                               y->untyped_data(), rows, entries, x.dimensions()[1]);
@@ -440,7 +455,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrCsrPull, CsrPullImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("max_threads"));
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<int64_t>("reduce"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrRowPush, RowPushImpl,
                               ffi::Ffi::Bind()
@@ -450,4 +466,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrRowPush, RowPushImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("max_threads"));
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<int64_t>("reduce"));
