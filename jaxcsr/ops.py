@@ -64,6 +64,8 @@ __all__ = [
     "product",
     "reduce_rows",
     "sample",
+    "sampler_for",
+    "sddmm_p",
 ]
 
 REDUCTIONS: tuple[str, ...] = ("sum", "mean", "max", "min")
@@ -238,12 +240,101 @@ def _divide_by_degree(total: jax.Array, structure: Structure, dtype) -> jax.Arra
     return (total / degree).astype(dtype)
 
 
-def sample(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> jax.Array:
-    """``ct @ x.T`` at the stored entries of the view, ``(nnz,)`` in its CSR order: the
-    values' cotangent and :func:`jaxcsr.sddmm`, run by the fallback backend."""
-    if _is_empty(structure, x.shape[1]):
-        return jnp.zeros((structure.nnz,), out_dtype)
-    return kernels.fallback().sddmm(ct, x, structure, out_dtype=out_dtype)
+def sampler_for(platform: str, index: Index, *dtypes) -> Any:
+    """The ``sddmm`` that runs on ``platform``: its kernel's own, when the matrix carries
+    that kernel's plan, the kernel is available and takes these dtypes; else the
+    fallback's."""
+    name = kernels.platform_kernel(platform)
+    backend = None if name is None else kernels.BACKENDS[name]
+    if (
+        backend is not None
+        and backend.sddmm is not None
+        and name in index.plans
+        and backend.available()
+        and backend.supports(*dtypes)
+    ):
+        return backend.sddmm
+    return kernels.fallback().sddmm
+
+
+# ----------------------------------------------------------------------- sddmm
+sddmm_p = Primitive("sddmm")
+"""``(nnz, H)`` = ``x (m, H, F)`` and ``y (n, H, F)`` sampled at the index's stored
+entries: ``sum_f x[row_k, h, f] * y[col_k, h, f]``. Its JVP and batching live here,
+its transpose (the planned products, built from a :class:`~jaxcsr.CSRMatrix`) in
+:mod:`jaxcsr.sddmm`."""
+
+
+def sample(x: jax.Array, y: jax.Array, index: Index, *, out_dtype) -> jax.Array:
+    """:data:`sddmm_p` of ``x (m, H, F)``, ``y (n, H, F)`` at ``index``: ``(nnz, H)``."""
+    leaves, index_tree = jax.tree_util.tree_flatten(index)
+    return sddmm_p.bind(x, y, *leaves, index_tree=index_tree, out_dtype=jnp.dtype(out_dtype))
+
+
+@sddmm_p.def_abstract_eval
+def _sddmm_abstract_eval(x, y, *leaves, index_tree, out_dtype):
+    nnz = jax.tree_util.tree_unflatten(index_tree, leaves).structure.nnz
+    return ShapedArray((nnz, x.shape[1]), out_dtype)
+
+
+def _sddmm_lowered(x, y, *leaves, index_tree, out_dtype, platform: str) -> jax.Array:
+    """What runs on one platform: the per-head sampled products of :func:`sampler_for`."""
+    index = jax.tree_util.tree_unflatten(index_tree, leaves)
+    structure = index.structure
+    if _is_empty(structure, x.shape[2]):
+        return jnp.zeros((structure.nnz, x.shape[1]), out_dtype)
+    sampler = sampler_for(platform, index, x.dtype, y.dtype)
+
+    def per_head(a, b):
+        return sampler(a, b, structure, out_dtype=out_dtype)
+
+    return jax.vmap(per_head, in_axes=(1, 1), out_axes=1)(x, y)
+
+
+def _sddmm_jvp(primals, tangents, *, index_tree, out_dtype):
+    x, y, *leaves = primals
+    dx, dy, *_ = tangents
+    params = {"index_tree": index_tree, "out_dtype": out_dtype}
+    out = sddmm_p.bind(x, y, *leaves, **params)
+    parts = []
+    if type(dx) is not ad.Zero:
+        parts.append(sddmm_p.bind(dx, y, *leaves, **params))
+    if type(dy) is not ad.Zero:
+        parts.append(sddmm_p.bind(x, dy, *leaves, **params))
+    if not parts:
+        return out, ad.Zero.from_primal_value(out)
+    return out, parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+ad.primitive_jvps[sddmm_p] = _sddmm_jvp
+
+
+def _sddmm_batch(args, dims, *, index_tree, out_dtype):
+    """The batch joins the heads axis: ``(m, B, H, F) -> (m, B * H, F)``."""
+    x, y, *leaves = args
+    x_bd, y_bd, *leaf_bds = dims
+    if any(bd is not None for bd in leaf_bds):  # one structure per batch element
+
+        def bind(*operands):
+            return sddmm_p.bind(*operands, index_tree=index_tree, out_dtype=out_dtype)
+
+        return map_over_batch(bind, args, dims), 0
+    size = x.shape[x_bd] if x_bd is not None else y.shape[y_bd]
+
+    def fold(v, bd):  # (m, H, F) batched at bd -> (m, size * H, F)
+        if bd is None:
+            v = jnp.broadcast_to(v[:, None], (v.shape[0], size, *v.shape[1:]))
+        else:
+            v = jnp.moveaxis(v, bd, 1)
+        return v.reshape(v.shape[0], size * v.shape[2], v.shape[3])
+
+    out = sddmm_p.bind(
+        fold(x, x_bd), fold(y, y_bd), *leaves, index_tree=index_tree, out_dtype=out_dtype
+    )
+    return out.reshape(out.shape[0], size, -1), 1
+
+
+batching.primitive_batchers[sddmm_p] = _sddmm_batch
 
 
 # ---------------------------------------------------------------- impl / eval
@@ -324,6 +415,7 @@ def def_jitted_impl(primitive: Primitive) -> None:
 
 
 def_jitted_impl(csr_matmul_p)
+def_jitted_impl(sddmm_p)
 
 
 @csr_matmul_p.def_abstract_eval
@@ -409,8 +501,8 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
         t_data = None if data is None else s.transpose_values(data)
         x_ct = product(ct, t_data, index.transpose(), **params)
         cts[0] = x_ct.astype(x.aval.dtype)
-    if data is not None and ad.is_undefined_primal(data):
-        cts[1] = sample(ct, x, opaque(index).structure, out_dtype=data.aval.dtype)
+    if data is not None and ad.is_undefined_primal(data):  # the sampled product
+        cts[1] = sample(ct[:, None], x[:, None], opaque(index), out_dtype=data.aval.dtype)[:, 0]
     return cts
 
 
@@ -453,10 +545,9 @@ PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 """JAX platforms the primitive lowers for (one lowering each, told its platform)."""
 
 for _platform in PLATFORMS:
-    mlir.register_lowering(
-        csr_matmul_p,
-        mlir.lower_fun(
-            functools.partial(_lowered_impl, platform=_platform), multiple_results=False
-        ),
-        platform=_platform,
-    )
+    for _primitive, _lowered in ((csr_matmul_p, _lowered_impl), (sddmm_p, _sddmm_lowered)):
+        mlir.register_lowering(
+            _primitive,
+            mlir.lower_fun(functools.partial(_lowered, platform=_platform), multiple_results=False),
+            platform=_platform,
+        )

@@ -4,24 +4,23 @@
 entry ``(i_k, j_k)`` of ``A`` in its CSR order -- the attention scores of graph
 attention, and what ``A.with_data(...)`` takes back. Its transposes are the two
 products jaxcsr already plans: ``dX = A.with_data(g) @ Y`` and ``dY = A.with_data(g).T
-@ X``. It is a primitive, ``sddmm_p``, bilinear in ``(X, Y)``: its JVP binds it on the
-tangents, and its transpose rule is those two planned products, so forward mode,
+@ X``. It is a primitive, ``sddmm_p`` (:mod:`jaxcsr.ops`, beside the product, whose
+values' gradient it is), bilinear in ``(X, Y)``: its JVP binds it on the tangents,
+and its transpose rule, registered here, is those two planned products, so forward mode,
 reverse mode (the backward runs the platform's product path) and higher orders all
 work. ``vmap`` folds the batch into the heads axis.
 """
 
 from __future__ import annotations
 
-import functools
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.extend.core import Primitive
-from jax.interpreters import ad, batching, mlir
+from jax.interpreters import ad
 
 from jaxcsr.matrix import CSRMatrix
-from jaxcsr.ops import ShapedArray, def_jitted_impl, map_over_batch, sample
+from jaxcsr.ops import sample, sddmm_p
 from jaxcsr.validation import as_numeric
 
 __all__ = ["sddmm", "sddmm_p"]
@@ -71,50 +70,13 @@ def sddmm(A: CSRMatrix, X: Any, Y: Any) -> jax.Array:
     return _bind(X, Y, A, out_dtype)
 
 
-sddmm_p = Primitive("sddmm")
-
-
 def _bind(x, y, A: CSRMatrix, out_dtype) -> jax.Array:
     """``(nnz, H)`` scores of ``x`` ``(m, H, F)`` and ``y`` ``(n, H, F)`` at ``A``'s entries."""
-    leaves, index_tree = jax.tree_util.tree_flatten(A.index)
-    return sddmm_p.bind(x, y, *leaves, index_tree=index_tree, out_dtype=jnp.dtype(out_dtype))
+    return sample(x, y, A.index, out_dtype=out_dtype)
 
 
 def _pattern(leaves, index_tree) -> CSRMatrix:
     return CSRMatrix(None, jax.tree_util.tree_unflatten(index_tree, leaves))
-
-
-def _impl(x, y, *leaves, index_tree, out_dtype) -> jax.Array:
-    structure = _pattern(leaves, index_tree).structure
-    per_head = functools.partial(sample, structure=structure, out_dtype=out_dtype)
-    return jax.vmap(per_head, in_axes=(1, 1), out_axes=1)(x, y)
-
-
-def_jitted_impl(sddmm_p)
-
-
-@sddmm_p.def_abstract_eval
-def _abstract_eval(x, y, *leaves, index_tree, out_dtype):
-    nnz = _pattern(leaves, index_tree).nnz
-    return ShapedArray((nnz, x.shape[1]), out_dtype)
-
-
-def _jvp(primals, tangents, *, index_tree, out_dtype):
-    x, y, *leaves = primals
-    dx, dy, *_ = tangents
-    params = {"index_tree": index_tree, "out_dtype": out_dtype}
-    out = sddmm_p.bind(x, y, *leaves, **params)
-    parts = []
-    if type(dx) is not ad.Zero:
-        parts.append(sddmm_p.bind(dx, y, *leaves, **params))
-    if type(dy) is not ad.Zero:
-        parts.append(sddmm_p.bind(x, dy, *leaves, **params))
-    if not parts:
-        return out, ad.Zero.from_primal_value(out)
-    return out, parts[0] if len(parts) == 1 else parts[0] + parts[1]
-
-
-ad.primitive_jvps[sddmm_p] = _jvp
 
 
 def _transpose(ct, x, y, *leaves, index_tree, out_dtype):
@@ -141,32 +103,3 @@ def _transpose(ct, x, y, *leaves, index_tree, out_dtype):
 
 
 ad.primitive_transposes[sddmm_p] = _transpose
-
-
-def _batch(args, dims, *, index_tree, out_dtype):
-    """The batch joins the heads axis: ``(m, B, H, F) -> (m, B * H, F)``."""
-    x, y, *leaves = args
-    x_bd, y_bd, *leaf_bds = dims
-    if any(bd is not None for bd in leaf_bds):  # one structure per batch element
-
-        def bind(*operands):
-            return sddmm_p.bind(*operands, index_tree=index_tree, out_dtype=out_dtype)
-
-        return map_over_batch(bind, args, dims), 0
-    size = x.shape[x_bd] if x_bd is not None else y.shape[y_bd]
-
-    def fold(v, bd):  # (m, H, F) batched at bd -> (m, size * H, F)
-        if bd is None:
-            v = jnp.broadcast_to(v[:, None], (v.shape[0], size, *v.shape[1:]))
-        else:
-            v = jnp.moveaxis(v, bd, 1)
-        return v.reshape(v.shape[0], size * v.shape[2], v.shape[3])
-
-    out = sddmm_p.bind(
-        fold(x, x_bd), fold(y, y_bd), *leaves, index_tree=index_tree, out_dtype=out_dtype
-    )
-    return out.reshape(out.shape[0], size, -1), 1
-
-
-batching.primitive_batchers[sddmm_p] = _batch
-mlir.register_lowering(sddmm_p, mlir.lower_fun(_impl, multiple_results=False))

@@ -104,6 +104,27 @@ def test_max_and_min_propagate_nan_and_zero_empty_rows(rng):
             assert np.isnan(y[2, 1])
 
 
+@pytest.mark.parametrize("kind", ["segment", "segment_sorted", "hub", "general", "duplicates"])
+def test_native_sddmm_matches_float64(rng, kind):
+    """``X @ Y.T`` at the stored entries (the values' gradient), both views, one and two
+    heads, every dtype: the native kernel (the HLO calls it) against float64."""
+    A, _ = _matrix(rng, kind)
+    fn = jax.jit(jaxcsr.sddmm)
+    for B in (A, A.T):
+        mat = B.to_scipy().tocsr()  # B's CSR order
+        rows = np.repeat(np.arange(B.shape[0]), np.diff(mat.indptr))
+        for dtype in DTYPES:
+            for heads in ((), (2,)):
+                X = random_values(rng, (B.shape[0], *heads, 11)).astype(dtype)
+                Y = random_values(rng, (B.shape[1], *heads, 11)).astype(dtype)
+                x64, y64 = np.asarray(X, np.float64), np.asarray(Y, np.float64)
+                want = np.sum(x64[rows] * y64[mat.indices], axis=-1)
+                got = fn(B, X, Y)
+                assert got.dtype == np.dtype(dtype) and got.shape == want.shape
+                assert_close(got, want, dtype)
+        assert "jaxcsr_cpu_sddmm" in fn.lower(B, X, Y).as_text()
+
+
 @pytest.mark.parametrize("sorted_ids", [False, True])
 def test_traced_ids_drop_what_jax_ops_drops(rng, sorted_ids):
     """Ids planned on the device (a padded layout): out-of-range ids belong to no row."""
@@ -245,7 +266,9 @@ for trial in range(4):
             for out in (jaxcsr.matmul(A, v, reduce=reduce),
                         jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce=reduce),
                         G.T.with_data(G.T.data.astype(dtype)) @ y,
-                        traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1))):
+                        traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1)),
+                        jaxcsr.sddmm(G, jnp.asarray(rng.standard_normal((m, f)), dtype), x),
+                        jaxcsr.sddmm(A.T, v, jnp.asarray(rng.standard_normal((m, f)), dtype))):
                 jax.block_until_ready(out)
 print("ok")
 """

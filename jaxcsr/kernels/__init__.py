@@ -231,6 +231,7 @@ register(
         cpu.describe,
         cpu.covers,
         cpu.available,
+        sddmm=cpu.sddmm,
         device_plan=cpu.plan,
         missing="jaxcsr's compiled CPU library (built by pip install with a C++17 compiler)",
     )

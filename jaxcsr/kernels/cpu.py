@@ -42,9 +42,13 @@ from jaxcsr.dtypes import KERNEL_DTYPES, product_dtype
 from jaxcsr.kernels import xla
 from jaxcsr.structure import Structure
 
-__all__ = ["available", "covers", "describe", "library_path", "plan", "product", "threads"]
+__all__ = ["available", "covers", "describe", "library_path", "plan", "product", "sddmm", "threads"]
 
-_TARGETS = {"jaxcsr_cpu_pull": "JaxcsrCsrPull", "jaxcsr_cpu_push": "JaxcsrRowPush"}
+_TARGETS = {
+    "jaxcsr_cpu_pull": "JaxcsrCsrPull",
+    "jaxcsr_cpu_push": "JaxcsrRowPush",
+    "jaxcsr_cpu_sddmm": "JaxcsrSddmm",
+}
 _MAX_THREADS = 0
 _REDUCE = {"sum": 0, "max": 1, "min": 2}
 
@@ -149,3 +153,32 @@ def product(x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret,
         cols = view.view_indices()
     call = jax.ffi.ffi_call("jaxcsr_cpu_pull", out)
     return call(indptr.astype(jnp.int32), cols.astype(jnp.int32), values, x, **attrs)
+
+
+def sddmm(ct, x, view: Structure, *, out_dtype):
+    """Backend entry: ``ct @ x.T`` at the view's stored entries, ``(nnz,)`` in its CSR
+    order (the values' gradient), natively: per row for general views (``ct[r]`` read
+    once per row), per entry in input order for one-per-column views (then put in CSR
+    order), per row for one-per-row views. Other dtypes run the fallback's."""
+    dtype = np.result_type(ct.dtype, x.dtype)
+    if not runs(view, ct.dtype, x.dtype, out_dtype):
+        return xla.sddmm(ct, x, view, out_dtype=out_dtype)
+    ct, x = ct.astype(dtype), x.astype(dtype)
+    empty = jnp.zeros((0,), jnp.int32)
+    attrs = {"max_threads": np.int64(_MAX_THREADS)}
+    # heads (the sddmm primitive vmaps over them) run one after another
+    call = functools.partial(jax.ffi.ffi_call, "jaxcsr_cpu_sddmm", vmap_method="sequential")
+    if view.one_per_column:  # per column k (input order): ct[ids[k]] . x[k]
+        rows = view.row_of_col.astype(jnp.int32)  # dropped ids (padded) give 0
+        out = jax.ShapeDtypeStruct((view.nnz,), out_dtype)
+        per_column = call(out)(empty, rows, empty, ct, x, **attrs)
+        return per_column if view.sorted_ids else per_column[view.indices]
+    if view.one_per_row:  # per row i: ct[i] . x[col_of_row[i]]
+        cols = jnp.minimum(view.column_rows(), x.shape[0] - 1).astype(jnp.int32)
+        out = jax.ShapeDtypeStruct((view.shape[0],), out_dtype)
+        per_row = call(out)(empty, empty, cols, ct, x, **attrs)
+        return view.compact_rows(per_row)
+    out = jax.ShapeDtypeStruct((view.nnz,), out_dtype)
+    indptr = view.view_indptr().astype(jnp.int32)
+    cols = view.view_indices().astype(jnp.int32)
+    return call(out)(indptr, empty, cols, ct, x, **attrs)
