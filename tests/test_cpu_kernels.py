@@ -125,6 +125,20 @@ def test_native_sddmm_matches_float64(rng, kind):
         assert "jaxcsr_cpu_sddmm" in fn.lower(B, X, Y).as_text()
 
 
+def test_native_sddmm_of_one_per_column_matrices_with_empty_columns(rng):
+    """from_coo with at most one entry per column plans the one-per-column kind; its
+    empty columns have no entry (the case hypothesis found in test_plan)."""
+    for rows, cols, shape in (([0], [0], (1, 2)), ([2, 0, 2], [4, 1, 0], (3, 6))):
+        A = CSRMatrix.from_coo(np.array(rows), np.array(cols), shape=shape)
+        dense = A.to_scipy().tocsr()
+        for B, mat in ((A, dense), (A.T, dense.T.tocsr())):
+            X = random_values(rng, (B.shape[0], 3)).astype(np.float32)
+            Y = random_values(rng, (B.shape[1], 3)).astype(np.float32)
+            rows_of = np.repeat(np.arange(B.shape[0]), np.diff(mat.indptr))
+            want = np.sum(X[rows_of].astype(np.float64) * Y[mat.indices], axis=1)
+            assert_close(jaxcsr.sddmm(B, X, Y), want, np.float32)
+
+
 @pytest.mark.parametrize("sorted_ids", [False, True])
 def test_traced_ids_drop_what_jax_ops_drops(rng, sorted_ids):
     """Ids planned on the device (a padded layout): out-of-range ids belong to no row."""

@@ -169,8 +169,8 @@ def sddmm(ct, x, view: Structure, *, out_dtype):
     # heads (the sddmm primitive vmaps over them) run one after another
     call = functools.partial(jax.ffi.ffi_call, "jaxcsr_cpu_sddmm", vmap_method="sequential")
     if view.one_per_column:  # per column k (input order): ct[ids[k]] . x[k]
-        rows = view.row_of_col.astype(jnp.int32)  # dropped ids (padded) give 0
-        out = jax.ShapeDtypeStruct((view.nnz,), out_dtype)
+        rows = view.row_of_col.astype(jnp.int32)  # empty columns, dropped ids: 0
+        out = jax.ShapeDtypeStruct(rows.shape, out_dtype)
         per_column = call(out)(empty, rows, empty, ct, x, **attrs)
         return per_column if view.sorted_ids else per_column[view.indices]
     if view.one_per_row:  # per row i: ct[i] . x[col_of_row[i]]
