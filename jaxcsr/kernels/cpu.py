@@ -16,6 +16,9 @@ are and accumulate in float32; each takes ``reduce="sum"``, ``"max"`` or ``"min"
     The one-per-column view of unsorted segment ids: each chunk of rows scans all
     ids in input order and adds ``x[k]`` to its own rows, so ``x`` is streamed rather
     than gathered at random (a pull through the sort permutation is latency-bound).
+``sddmm``
+    ``out[k] = ct[row k] . x[col k]`` (:func:`sddmm`, the values' gradient): per row
+    for general views, per entry in input order for one-per-column views.
 
 Row gathers (the backward of a segment sum: a copy in the operand's dtype), float64
 and integers run on the XLA path (:mod:`jaxcsr.kernels.xla`), as does the arg search
