@@ -83,10 +83,11 @@ def test_every_kernel_matches_float64(rng, kind):
                     assert y.dtype == np.dtype(dtype)
                     want, _ = reduce_reference(B, np.asarray(x, np.float64), reduce)
                     assert_close(y, want, dtype)
-    # the FFI call is what runs (row gathers, the one-per-row view, stay on XLA)
-    x = jnp.ones((A.shape[1], 3), jnp.float32)
-    text = jax.jit(lambda A, x: jaxcsr.matmul(A, x, impl="cpu")).lower(A, x).as_text()
-    assert "jaxcsr_cpu_" in text
+    # the FFI call is what runs, on both views (one entry per row: the gather)
+    for B in (A, A.T):
+        x = jnp.ones((B.shape[1], 3), jnp.float32)
+        text = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu")).lower(B, x).as_text()
+        assert f"jaxcsr_cpu_{cpu.kernel_for(B.structure)}" in text
 
 
 def test_max_and_min_propagate_nan_and_zero_empty_rows(rng):
@@ -280,6 +281,7 @@ for trial in range(4):
             for out in (jaxcsr.matmul(A, v, reduce=reduce),
                         jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce=reduce),
                         G.T.with_data(G.T.data.astype(dtype)) @ y,
+                        A.T @ y,  # one entry per row: the gather
                         traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1)),
                         jaxcsr.sddmm(G, jnp.asarray(rng.standard_normal((m, f)), dtype), x),
                         jaxcsr.sddmm(A.T, v, jnp.asarray(rng.standard_normal((m, f)), dtype))):

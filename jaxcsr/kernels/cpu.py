@@ -16,12 +16,14 @@ are and accumulate in float32; each takes ``reduce="sum"``, ``"max"`` or ``"min"
     The one-per-column view of unsorted segment ids: each chunk of rows scans all
     ids in input order and adds ``x[k]`` to its own rows, so ``x`` is streamed rather
     than gathered at random (a pull through the sort permutation is latency-bound).
+``gather``
+    One entry per row (the backward of a segment sum, ``y[i] = data_i * x[ids[i]]``):
+    rows copied in their dtype, split over threads.
 ``sddmm``
     ``out[k] = ct[row k] . x[col k]`` (:func:`sddmm`, the values' gradient): per row
     for general views, per entry in input order for one-per-column views.
 
-Row gathers (the backward of a segment sum: a copy in the operand's dtype), float64
-and integers run on the XLA path (:mod:`jaxcsr.kernels.xla`), as does the arg search
+Float64 and integers run on the XLA path (:mod:`jaxcsr.kernels.xla`), as does the arg search
 of ``return_arg`` and the max/min gradient (the fallback's, for every backend). The
 backend plans nothing beyond the portable core. Without the library (no compiler at
 install time) :func:`available` is False: products fall back to XLA, with one
@@ -45,12 +47,13 @@ from jaxcsr.dtypes import KERNEL_DTYPES, product_dtype
 from jaxcsr.kernels import xla
 from jaxcsr.structure import Structure
 
-__all__ = ["available", "covers", "describe", "library_path", "plan", "product", "sddmm", "threads"]
+__all__ = ["available", "describe", "library_path", "plan", "product", "sddmm", "threads"]
 
 _TARGETS = {
     "jaxcsr_cpu_pull": "JaxcsrCsrPull",
     "jaxcsr_cpu_push": "JaxcsrRowPush",
     "jaxcsr_cpu_sddmm": "JaxcsrSddmm",
+    "jaxcsr_cpu_gather": "JaxcsrGather",
 }
 _MAX_THREADS = 0
 _REDUCE = {"sum": 0, "max": 1, "min": 2}
@@ -102,14 +105,11 @@ def plan(structure: Structure) -> None:
     del structure
 
 
-def covers(view: Structure) -> bool:
-    """Every view but row gathers (one entry per row, the backward of a segment sum):
-    XLA's gather copies rows in their own dtype, as fast as memory allows."""
-    return not view.one_per_row
-
-
 def kernel_for(view: Structure) -> str:
-    """``"push"`` for unsorted segment ids, else ``"pull"``."""
+    """``"gather"`` for one entry per row, ``"push"`` for unsorted segment ids, else
+    ``"pull"``."""
+    if view.one_per_row:
+        return "gather"
     return "push" if view.one_per_column and not view.sorted_ids else "pull"
 
 
@@ -144,6 +144,11 @@ def product(x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret,
     out = jax.ShapeDtypeStruct((m, f), out_dtype)
     none = jnp.zeros((0,), dtype)
     attrs = {"max_threads": np.int64(_MAX_THREADS), "reduce": np.int64(_REDUCE[reduce])}
+    if view.one_per_row:  # y[i] = data_i * x[col_i]: a row gather, no reduction
+        values = none if data is None else view.row_values(data).astype(dtype)
+        call = jax.ffi.ffi_call("jaxcsr_cpu_gather", out)
+        cols = view.row_of_col.astype(jnp.int32)  # empty rows (past n, padded: < 0): 0
+        return call(cols, values, x, max_threads=attrs["max_threads"])
     if kernel_for(view) == "push":
         values = none if data is None else view.column_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_push", out)

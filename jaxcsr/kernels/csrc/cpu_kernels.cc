@@ -576,6 +576,81 @@ ffi::Error SddmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                                x.untyped_data(), out->untyped_data(), m, n, f, entries);
 }
 
+// ------------------------------------------------------------------ row gather
+// y[r] = data[r] * x[cols[r]] (one entry per row: the segment sum's backward); a
+// column outside [0, n) is an empty row (0). Rows are independent: any split gives
+// the same bits. One-valued rows of one dtype are copied as they are.
+template <typename In, typename Out>
+JAXCSR_INLINE void gather_body(const int32_t* cols, const typename In::Storage* data,
+                               const typename In::Storage* x, typename Out::Storage* y,
+                               int64_t n, int64_t f, int64_t lo, int64_t hi) {
+  constexpr bool same = std::is_same<In, Out>::value;
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t c = cols[r];
+    typename Out::Storage* yr = y + r * f;
+    if (c < 0 || c >= n) {
+      for (int64_t i = 0; i < f; ++i) yr[i] = Out::store(0.0f);
+      continue;
+    }
+    const typename In::Storage* xr = x + c * f;
+    if (same && !data) {  // a plain copy (a loop, not memcpy: rows are short)
+      const auto* from = reinterpret_cast<const typename Out::Storage*>(xr);
+      for (int64_t i = 0; i < f; ++i) yr[i] = from[i];
+      continue;
+    }
+    const float w = data ? In::load(data[r]) : 1.0f;
+    for (int64_t i = 0; i < f; ++i) yr[i] = Out::store(w * In::load(xr[i]));
+  }
+}
+
+template <typename In, typename Out>
+__attribute__((target("avx2"))) void gather_avx2(const int32_t* cols,
+                                                 const typename In::Storage* data,
+                                                 const typename In::Storage* x,
+                                                 typename Out::Storage* y, int64_t n,
+                                                 int64_t f, int64_t lo, int64_t hi) {
+  gather_body<In, Out>(cols, data, x, y, n, f, lo, hi);
+}
+
+template <typename In, typename Out>
+void gather_base(const int32_t* cols, const typename In::Storage* data,
+                 const typename In::Storage* x, typename Out::Storage* y, int64_t n, int64_t f,
+                 int64_t lo, int64_t hi) {
+  gather_body<In, Out>(cols, data, x, y, n, f, lo, hi);
+}
+
+template <typename In, typename Out, typename Unused>
+struct GatherKernel {
+  static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* cols,
+                        const void* data, const void* x, void* y, int64_t rows, int64_t n,
+                        int64_t f) {
+    const int64_t threads = thread_count(pool, max_threads);
+    const int64_t chunks =
+        std::max<int64_t>(1, std::min<int64_t>(threads * 4, (rows * f) / 65536 + 1));
+    const auto fn = has_avx2() ? gather_avx2<In, Out> : gather_base<In, Out>;
+    parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+      fn(cols, static_cast<const typename In::Storage*>(data),
+         static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(y),
+         n, f, rows * c / chunks, rows * (c + 1) / chunks);
+    });
+    return ffi::Error::Success();
+  }
+};
+
+ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer data,
+                      ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
+  const int64_t rows = static_cast<int64_t>(cols.element_count());
+  if (auto err = check_2d(x, y, rows); err.failure()) return err;
+  const bool has_data = data.element_count() > 0;
+  if (has_data && (static_cast<int64_t>(data.element_count()) != rows ||
+                   data.element_type() != x.element_type()))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: gather values do not match");
+  return dispatch<GatherKernel>(x.element_type(), y->element_type(), 0, pool, max_threads,
+                                cols.typed_data(), has_data ? data.untyped_data() : nullptr,
+                                x.untyped_data(), y->untyped_data(), rows, x.dimensions()[0],
+                                x.dimensions()[1]);
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrCsrPull, CsrPullImpl,
@@ -605,6 +680,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrSddmm, SddmmImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrGather, GatherImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
