@@ -21,6 +21,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -239,45 +240,47 @@ JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage
   }
 }
 
-// Each row loop compiled for AVX2 and for the baseline; chosen once at run time.
-template <typename In, typename Out, typename Op>
-__attribute__((target("avx2"))) void pull_rows_avx2(const int32_t* indptr, const int32_t* cols,
-                                                    const typename In::Storage* data,
-                                                    const typename In::Storage* x,
-                                                    typename Out::Storage* y, int64_t f,
-                                                    int64_t lo, int64_t hi, float* acc,
-                                                    uint64_t n, bool& bad) {
-  pull_rows_body<In, Out, Op>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
-}
-
-template <typename In, typename Out, typename Op>
-void pull_rows_base(const int32_t* indptr, const int32_t* cols,
-                    const typename In::Storage* data, const typename In::Storage* x,
-                    typename Out::Storage* y, int64_t f, int64_t lo, int64_t hi, float* acc,
-                    uint64_t n, bool& bad) {
-  pull_rows_body<In, Out, Op>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
-}
-
-template <typename In, typename Out, typename Op>
-__attribute__((target("avx2"))) void push_rows_avx2(const int32_t* ids,
-                                                    const typename In::Storage* data,
-                                                    const typename In::Storage* x,
-                                                    float* acc_all, int64_t entries,
-                                                    int64_t f, int64_t lo, int64_t hi) {
-  push_rows_body<In, Out, Op>(ids, data, x, acc_all, entries, f, lo, hi);
-}
-
-template <typename In, typename Out, typename Op>
-void push_rows_base(const int32_t* ids, const typename In::Storage* data,
-                    const typename In::Storage* x, float* acc_all, int64_t entries, int64_t f,
-                    int64_t lo, int64_t hi) {
-  push_rows_body<In, Out, Op>(ids, data, x, acc_all, entries, f, lo, hi);
-}
-
 bool has_avx2() {
   static const bool yes = __builtin_cpu_supports("avx2");
   return yes;
 }
+
+// Every loop body compiled twice, for AVX2 and for the baseline, chosen at run time:
+// Body::run (always inlined) takes on the instruction set of its caller here.
+template <typename Body, typename... Args>
+__attribute__((target("avx2"))) void run_avx2(Args&&... args) {
+  Body::run(std::forward<Args>(args)...);
+}
+
+template <typename Body, typename... Args>
+void run_base(Args&&... args) {
+  Body::run(std::forward<Args>(args)...);
+}
+
+template <typename Body, typename... Args>
+void run_best(Args&&... args) {
+  if (has_avx2()) {
+    run_avx2<Body>(std::forward<Args>(args)...);
+  } else {
+    run_base<Body>(std::forward<Args>(args)...);
+  }
+}
+
+template <typename In, typename Out, typename Op>
+struct PullRows {
+  template <typename... Args>
+  JAXCSR_INLINE static void run(Args&&... args) {
+    pull_rows_body<In, Out, Op>(std::forward<Args>(args)...);
+  }
+};
+
+template <typename In, typename Out, typename Op>
+struct PushRows {
+  template <typename... Args>
+  JAXCSR_INLINE static void run(Args&&... args) {
+    push_rows_body<In, Out, Op>(std::forward<Args>(args)...);
+  }
+};
 
 // Returns false if a column index was outside [0, n) (those entries are skipped).
 template <typename In, typename Out, typename Op>
@@ -290,14 +293,12 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   const int64_t chunks = std::max<int64_t>(
       1, std::min<int64_t>(threads * 8, (nnz * f + rows) / 16384 + 1));
   const std::vector<int64_t> starts = row_chunks(indptr, rows, chunks);
-  const auto rows_fn =
-      has_avx2() ? pull_rows_avx2<In, Out, Op> : pull_rows_base<In, Out, Op>;
   std::atomic<bool> any_bad{false};
   parallel_chunks(pool, chunks, threads, [&](int64_t c) {
     std::vector<float> acc(f);
     bool bad = false;
-    rows_fn(indptr, cols, data, x, y, f, starts[c], starts[c + 1], acc.data(),
-            static_cast<uint64_t>(n), bad);
+    run_best<PullRows<In, Out, Op>>(indptr, cols, data, x, y, f, starts[c], starts[c + 1],
+                                    acc.data(), static_cast<uint64_t>(n), bad);
     if (bad) any_bad.store(true);
   });
   return !any_bad.load();
@@ -317,11 +318,9 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   constexpr bool direct = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
   std::vector<float> scratch(direct ? 0 : rows * f);
   float* acc_all = direct ? reinterpret_cast<float*>(y) : scratch.data();
-  const auto rows_fn =
-      has_avx2() ? push_rows_avx2<In, Out, Op> : push_rows_base<In, Out, Op>;
   parallel_chunks(pool, chunks, threads, [&](int64_t c) {
     const int64_t lo = starts[c], hi = starts[c + 1];
-    rows_fn(ids, data, x, acc_all, entries, f, lo, hi);
+    run_best<PushRows<In, Out, Op>>(ids, data, x, acc_all, entries, f, lo, hi);
     if (!direct) {
       for (int64_t r = lo; r < hi; ++r)
         store_row<Out>(y + r * f, acc_all + r * f, f, indptr[r + 1] == indptr[r]);
@@ -500,23 +499,12 @@ JAXCSR_INLINE void sddmm_body(const int32_t* indptr, const int32_t* rows, const 
 }
 
 template <typename In, typename Out>
-__attribute__((target("avx2"))) void sddmm_avx2(const int32_t* indptr, const int32_t* rows,
-                                                const int32_t* cols,
-                                                const typename In::Storage* ct,
-                                                const typename In::Storage* x,
-                                                typename Out::Storage* out, int64_t m,
-                                                int64_t n, int64_t f, int64_t lo, int64_t hi,
-                                                bool& bad) {
-  sddmm_body<In, Out>(indptr, rows, cols, ct, x, out, m, n, f, lo, hi, bad);
-}
-
-template <typename In, typename Out>
-void sddmm_base(const int32_t* indptr, const int32_t* rows, const int32_t* cols,
-                const typename In::Storage* ct, const typename In::Storage* x,
-                typename Out::Storage* out, int64_t m, int64_t n, int64_t f, int64_t lo,
-                int64_t hi, bool& bad) {
-  sddmm_body<In, Out>(indptr, rows, cols, ct, x, out, m, n, f, lo, hi, bad);
-}
+struct SddmmEntries {
+  template <typename... Args>
+  JAXCSR_INLINE static void run(Args&&... args) {
+    sddmm_body<In, Out>(std::forward<Args>(args)...);
+  }
+};
 
 template <typename In, typename Out, typename Unused>
 struct SddmmKernel {
@@ -534,13 +522,13 @@ struct SddmmKernel {
       starts.resize(chunks + 1);
       for (int64_t c = 0; c <= chunks; ++c) starts[c] = entries * c / chunks;
     }
-    const auto fn = has_avx2() ? sddmm_avx2<In, Out> : sddmm_base<In, Out>;
     std::atomic<bool> any_bad{false};
     parallel_chunks(pool, chunks, threads, [&](int64_t c) {
       bool bad = false;
-      fn(indptr, rows, cols, static_cast<const typename In::Storage*>(ct),
-         static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(out),
-         m, n, f, starts[c], starts[c + 1], bad);
+      run_best<SddmmEntries<In, Out>>(
+          indptr, rows, cols, static_cast<const typename In::Storage*>(ct),
+          static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(out),
+          m, n, f, starts[c], starts[c + 1], bad);
       if (bad) any_bad.store(true);
     });
     if (any_bad.load())
@@ -604,20 +592,12 @@ JAXCSR_INLINE void gather_body(const int32_t* cols, const typename In::Storage* 
 }
 
 template <typename In, typename Out>
-__attribute__((target("avx2"))) void gather_avx2(const int32_t* cols,
-                                                 const typename In::Storage* data,
-                                                 const typename In::Storage* x,
-                                                 typename Out::Storage* y, int64_t n,
-                                                 int64_t f, int64_t lo, int64_t hi) {
-  gather_body<In, Out>(cols, data, x, y, n, f, lo, hi);
-}
-
-template <typename In, typename Out>
-void gather_base(const int32_t* cols, const typename In::Storage* data,
-                 const typename In::Storage* x, typename Out::Storage* y, int64_t n, int64_t f,
-                 int64_t lo, int64_t hi) {
-  gather_body<In, Out>(cols, data, x, y, n, f, lo, hi);
-}
+struct GatherRows {
+  template <typename... Args>
+  JAXCSR_INLINE static void run(Args&&... args) {
+    gather_body<In, Out>(std::forward<Args>(args)...);
+  }
+};
 
 template <typename In, typename Out, typename Unused>
 struct GatherKernel {
@@ -627,11 +607,11 @@ struct GatherKernel {
     const int64_t threads = thread_count(pool, max_threads);
     const int64_t chunks =
         std::max<int64_t>(1, std::min<int64_t>(threads * 4, (rows * f) / 65536 + 1));
-    const auto fn = has_avx2() ? gather_avx2<In, Out> : gather_base<In, Out>;
     parallel_chunks(pool, chunks, threads, [&](int64_t c) {
-      fn(cols, static_cast<const typename In::Storage*>(data),
-         static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(y),
-         n, f, rows * c / chunks, rows * (c + 1) / chunks);
+      run_best<GatherRows<In, Out>>(
+          cols, static_cast<const typename In::Storage*>(data),
+          static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(y),
+          n, f, rows * c / chunks, rows * (c + 1) / chunks);
     });
     return ffi::Error::Success();
   }
@@ -651,29 +631,24 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::Any
                                 x.dimensions()[1]);
 }
 
+// Both products: (indptr, columns or ids, values or empty, x) -> y, with attributes.
+auto product_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("max_threads")
+      .Attr<int64_t>("reduce");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrCsrPull, CsrPullImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("max_threads")
-                                  .Attr<int64_t>("reduce"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrCsrPull, CsrPullImpl, product_binding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrRowPush, RowPushImpl,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::ThreadPool>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("max_threads")
-                                  .Attr<int64_t>("reduce"));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrRowPush, RowPushImpl, product_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrSddmm, SddmmImpl,
                               ffi::Ffi::Bind()
