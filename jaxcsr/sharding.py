@@ -536,11 +536,16 @@ def plan_blocks(indptr: np.ndarray, shards: int, balance: str = "nnz") -> BlockP
     """
     indptr = np.asarray(indptr).astype(np.int64)
     starts, block_nnz, block_rows, k_b = block_sizes(indptr, shards, balance)
-    data_order = np.full((shards, k_b), -1, np.int64)
-    for p in range(shards):
-        lo, hi = int(indptr[starts[p]]), int(indptr[starts[p + 1]])
-        data_order[p, : hi - lo] = np.arange(lo, hi)
+    data_order = np.stack([_block_positions(indptr, starts, p, k_b) for p in range(shards)])
     return BlockPlan(starts, block_nnz, int(block_rows), int(k_b), data_order)
+
+
+def _block_positions(indptr: np.ndarray, starts: np.ndarray, p: int, k_b: int) -> np.ndarray:
+    """``(K_b,)`` int64: the CSR position of each of block ``p``'s slots, -1: padding."""
+    lo, hi = int(indptr[starts[p]]), int(indptr[starts[p + 1]])
+    out = np.full(k_b, -1, np.int64)
+    out[: hi - lo] = np.arange(lo, hi)
+    return out
 
 
 def block_sizes(
@@ -596,8 +601,7 @@ class _RowBlocks:
 
     def data_order(self, p: int) -> np.ndarray:
         """``(K_b,)`` position in the whole matrix's CSR order per slot, -1: padding."""
-        lo, hi = self.indptr[self.row_starts[p]], self.indptr[self.row_starts[p + 1]]
-        return self._padded(np.arange(lo, hi), -1, np.int32)
+        return _block_positions(self.indptr, self.row_starts, p, self.block_cols).astype(np.int32)
 
     def input_order(self, p: int) -> np.ndarray:
         """``(K_b,)`` segment form: the input position (column) per slot, -1: padding."""
@@ -625,14 +629,17 @@ class _RowBlocks:
 def _from_blocks(block: Callable[[int], np.ndarray], shards: int, sharding) -> jax.Array:
     """A ``(shards * len(b), ...)`` array sharded as ``sharding`` whose rows are the
     blocks ``block(p)``; only this process's devices' blocks are computed."""
-    first = block(_local_blocks(sharding)[0])
+    p0 = _local_blocks(sharding)[0]
+    first = block(p0)  # its shape is every block's; computed once
 
     def rows(index) -> np.ndarray:
         size = first.shape[0]
         if size == 0:  # empty blocks (no entries): nothing to compute
             return first
         lo, hi, _ = index[0].indices(shards * size)
-        return np.concatenate([block(p) for p in range(lo // size, hi // size)])
+        return np.concatenate(
+            [first if p == p0 else block(p) for p in range(lo // size, hi // size)]
+        )
 
     return jax.make_array_from_callback((shards * first.shape[0], *first.shape[1:]), sharding, rows)
 
@@ -689,13 +696,12 @@ def _check_same_everywhere(parts: list[np.ndarray], message: str) -> None:
         raise ValueError(f"{message} (digests of {jax.process_count()} processes disagree)")
 
 
-def _check_mesh(mesh, axis: str, form, balance: str) -> None:
+def _check_mesh(mesh, axis: str, form) -> None:
+    """``balance`` is checked by :func:`block_sizes`, before anything is placed."""
     if form not in (None, "segment", "spmm"):
         raise ValueError(f"form must be None, 'segment' or 'spmm', got {form!r}")
     if axis not in mesh.axis_names:
         raise ValueError(f"axis {axis!r} is not an axis of the mesh {mesh.axis_names}")
-    if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
 
 
 def shard(
@@ -729,7 +735,7 @@ def shard(
     """
     if not isinstance(A, CSRMatrix):
         raise TypeError(f"A must be a jaxcsr.CSRMatrix, got {type(A).__name__}")
-    _check_mesh(mesh, axis, form, balance)
+    _check_mesh(mesh, axis, form)
     if is_traced(A):
         raise ValueError(
             "A holds traced values: jaxcsr.shard plans on the host, so call it outside "
@@ -808,7 +814,7 @@ def shard_rows(
       (:attr:`~ShardedCSR.input_order`, :attr:`~ShardedCSR.data_order`) covers this
       process's blocks only, and :meth:`~ShardedCSR.layout_values` fills only them.
     """
-    _check_mesh(mesh, axis, form, balance)
+    _check_mesh(mesh, axis, form)
     if form is None:
         raise ValueError("form must be 'segment' or 'spmm', got None")
     lengths = as_host_int_array(row_lengths, "row_lengths")

@@ -168,7 +168,7 @@ def sddmm(ct, x, view: Structure, *, out_dtype):
     order (the values' gradient), natively: per row for general views (``ct[r]`` read
     once per row), per entry in input order for one-per-column views (then put in CSR
     order), per row for one-per-row views. Other dtypes run the fallback's."""
-    dtype = np.result_type(ct.dtype, x.dtype)
+    dtype = product_dtype(ct.dtype, x.dtype)  # the dtype runs() checks
     if not runs(view, ct.dtype, x.dtype, out_dtype):
         return xla.sddmm(ct, x, view, out_dtype=out_dtype)
     ct, x = ct.astype(dtype), x.astype(dtype)
