@@ -129,7 +129,6 @@ def _torch_dtype(torch, dtype):
 
 def run_cell(kind, graph, f, dtype, repeats, copy_gbps, rng, torch) -> dict:
     thunks, floor = _systems(kind, graph, f, dtype, rng, torch)
-    timings, outs = {}, {}
     try:
         timings, outs = time_in_turns(thunks, repeats)
     except Exception as err:  # a peer without this dtype: time the others
