@@ -57,6 +57,7 @@ __all__ = [
     "REDUCTIONS",
     "Index",
     "ShapedArray",
+    "backend_for",
     "def_jitted_impl",
     "map_over_batch",
     "csr_matmul_p",

@@ -45,10 +45,19 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.extend.core import Primitive
+from jax.interpreters import ad, batching, mlir
 
 from jaxcsr.dtypes import accumulation_dtype
 from jaxcsr.matrix import CSRMatrix, matmul
-from jaxcsr.ops import Index, map_over_batch
+from jaxcsr.ops import (
+    PLATFORMS,
+    Index,
+    ShapedArray,
+    backend_for,
+    def_jitted_impl,
+    map_over_batch,
+)
 from jaxcsr.validation import as_numeric
 
 __all__ = ["SAFE_TOTAL", "edge_softmax", "fast_path_safe", "max_safe_total", "rows_pattern"]
@@ -219,6 +228,8 @@ def _exact(x: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
 
 
 def _forward_unbatched(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
+    """The XLA composition of the forward: unshifted when :func:`fast_path_safe`, else
+    :func:`_exact`."""
     acc = accumulation_dtype(scores.dtype)
     x = scores.astype(acc)
     e = _elementwise(jnp.exp, x)
@@ -236,53 +247,152 @@ def _forward_unbatched(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array
     return out.astype(scores.dtype)
 
 
-@functools.cache
-def _batchable_forward(impl):
-    """The forward pass whose ``vmap`` folds the batch into the heads axis.
+def _tangent_composed(p: jax.Array, ds: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
+    """The XLA composition of the tangent, ``p * ds - p * rowsum(p * ds)[row]``."""
+    acc = accumulation_dtype(p.dtype)
+    out_dtype = p.dtype
+    p, ds = p.astype(acc), ds.astype(acc)
+    pd = _elementwise(jnp.multiply, p, ds)
+    inner = _broadcast(_row_sums(pd, pattern, impl), pattern, impl)
+    return _elementwise(lambda pd, p, inner: pd - p * inner, pd, p, inner).astype(out_dtype)
 
-    Batched, ``lax.cond`` would turn into a select that runs both branches and
-    broadcasts the matrix's index arrays along the batch; every head is normalised
-    on its own anyway, so ``(B, n, H)`` scores are one ``(n, B * H)`` call.
-    """
 
-    @jax.custom_batching.custom_vmap
-    def forward(scores, pattern):
-        return _forward_unbatched(scores, pattern, impl)
+# ------------------------------------------------------------------ primitives
+# The forward and its tangent are primitives, lowered per platform: the platform's
+# kernel when it has a fused softmax (the native CPU backend), else the compositions
+# above. The tangent is linear in ``ds`` and self-adjoint (per row, diag(p) - p p^T),
+# so its transpose is itself.
+softmax_p = Primitive("row_softmax")
+softmax_tangent_p = Primitive("row_softmax_tangent")
+def_jitted_impl(softmax_p)
+def_jitted_impl(softmax_tangent_p)
 
-    @forward.def_vmap
-    def _rule(axis_size, in_batched, scores, pattern):
-        scores_batched, pattern_batched = in_batched
-        if any(jax.tree_util.tree_leaves(pattern_batched)):  # a pattern per element
-            leaves, tree = jax.tree_util.tree_flatten(pattern)
-            dims = [0 if b else None for b in jax.tree_util.tree_leaves(pattern_batched)]
 
-            def one(scores, *leaves):
-                return forward(scores, jax.tree_util.tree_unflatten(tree, leaves))
+def _pattern(leaves, index_tree) -> CSRMatrix:
+    return CSRMatrix(None, jax.tree_util.tree_unflatten(index_tree, leaves))
 
-            args = [scores, *leaves]
-            return map_over_batch(one, args, [0 if scores_batched else None, *dims]), True
-        if not scores_batched:
-            return forward(scores, pattern), False
-        b, n, h = scores.shape
-        folded = jnp.moveaxis(scores, 0, 1).reshape(n, b * h)
-        out = forward(folded, pattern).reshape(n, b, h)
-        return jnp.moveaxis(out, 1, 0), True
 
-    return forward
+def _bind(primitive: Primitive, arrays, pattern: CSRMatrix, impl) -> jax.Array:
+    leaves, index_tree = jax.tree_util.tree_flatten(pattern.index)
+    return primitive.bind(*arrays, *leaves, index_tree=index_tree, impl=impl)
+
+
+@softmax_p.def_abstract_eval
+def _softmax_abstract_eval(scores, *leaves, index_tree, impl):
+    return ShapedArray(scores.shape, scores.dtype)
+
+
+@softmax_tangent_p.def_abstract_eval
+def _tangent_abstract_eval(p, ds, *leaves, index_tree, impl):
+    return ShapedArray(p.shape, p.dtype)
+
+
+def _lowered(arrays, leaves, *, index_tree, impl, platform: str, composed) -> jax.Array:
+    """What runs on ``platform``: the fused kernel of the backend that runs the pattern's
+    products there, if it has one, else ``composed`` (the XLA composition)."""
+    pattern = _pattern(leaves, index_tree)
+    dtype = arrays[0].dtype
+    backend = backend_for(impl, platform, pattern.index, dtype, None)
+    if backend.softmax is None or backend.platform != platform:
+        return composed(*arrays, pattern, impl)
+    tangent = arrays[1] if len(arrays) == 2 else None
+    return backend.softmax(
+        arrays[0], tangent, pattern.structure, out_dtype=dtype,
+        fallback=lambda: composed(*arrays, pattern, impl),
+    )  # fmt: skip
+
+
+for _platform in PLATFORMS:
+    mlir.register_lowering(
+        softmax_p,
+        mlir.lower_fun(
+            lambda scores, *leaves, platform=_platform, **params: _lowered(
+                (scores,), leaves, platform=platform, composed=_forward_unbatched, **params
+            ),
+            multiple_results=False,
+        ),
+        platform=_platform,
+    )
+    mlir.register_lowering(
+        softmax_tangent_p,
+        mlir.lower_fun(
+            lambda p, ds, *leaves, platform=_platform, **params: _lowered(
+                (p, ds), leaves, platform=platform, composed=_tangent_composed, **params
+            ),
+            multiple_results=False,
+        ),
+        platform=_platform,
+    )
+
+
+def _fold_heads(v: jax.Array, bd: int | None, size: int) -> jax.Array:
+    """``(n, H)`` batched at ``bd`` (or not batched) -> ``(n, size * H)``."""
+    if bd is None:
+        v = jnp.broadcast_to(v[:, None], (v.shape[0], size, v.shape[1]))
+    else:
+        v = jnp.moveaxis(v, bd, 1)
+    return v.reshape(v.shape[0], -1)
+
+
+def _batch(primitive: Primitive, n_arrays: int):
+    """Batching: every head is normalised on its own, so a batch of scores joins the
+    heads axis (one call, and the composition's ``lax.cond`` stays a cond); a pattern
+    per element maps over the batch."""
+
+    def rule(args, dims, *, index_tree, impl):
+        if any(d is not None for d in dims[n_arrays:]):
+
+            def bind(*operands):
+                return primitive.bind(*operands, index_tree=index_tree, impl=impl)
+
+            return map_over_batch(bind, args, dims), 0
+        arrays, leaves = args[:n_arrays], args[n_arrays:]
+        size = next(a.shape[d] for a, d in zip(arrays, dims, strict=False) if d is not None)
+        folded = [_fold_heads(a, d, size) for a, d in zip(arrays, dims, strict=False)]
+        out = primitive.bind(*folded, *leaves, index_tree=index_tree, impl=impl)
+        return out.reshape(out.shape[0], size, -1), 1
+
+    return rule
+
+
+batching.primitive_batchers[softmax_p] = _batch(softmax_p, 1)
+batching.primitive_batchers[softmax_tangent_p] = _batch(softmax_tangent_p, 2)
+
+
+def _tangent_transpose(ct, p, ds, *leaves, index_tree, impl):
+    if ad.is_undefined_primal(p) or not ad.is_undefined_primal(ds):
+        raise ValueError("the softmax tangent is linear in its second operand only")
+    if type(ct) is ad.Zero:
+        return [None, None, *[None] * len(leaves)]
+    pattern = _pattern(leaves, index_tree)
+    ds_ct = _bind(softmax_tangent_p, (p, ct), pattern, impl).astype(ds.aval.dtype)
+    return [None, ds_ct, *[None] * len(leaves)]
+
+
+ad.primitive_transposes[softmax_tangent_p] = _tangent_transpose
+
+
+def _tangent_jvp(primals, tangents, *, index_tree, impl):
+    """Higher orders: the composition's JVP (the tangent is quadratic in ``p``)."""
+    p, ds, *leaves = primals
+    dp, dds = (ad.instantiate_zeros(t) for t in tangents[:2])
+    pattern = _pattern(leaves, index_tree)
+    out = _bind(softmax_tangent_p, (p, ds), pattern, impl)
+    _, tangent = jax.jvp(lambda p, ds: _tangent_composed(p, ds, pattern, impl), (p, ds), (dp, dds))
+    return out, tangent
+
+
+ad.primitive_jvps[softmax_tangent_p] = _tangent_jvp
 
 
 def _forward(scores: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
-    return _batchable_forward(impl)(scores, pattern)
+    return _bind(softmax_p, (scores,), pattern, impl)
 
 
 def _tangent(p: jax.Array, ds: jax.Array, pattern: CSRMatrix, impl) -> jax.Array:
     """``p * (ds - rowsum(p * ds)[row])``: linear in ``ds``; its transpose (the
     backward) has the same form, so reverse mode keeps only ``p``."""
-    acc = accumulation_dtype(p.dtype)
-    p, ds = p.astype(acc), ds.astype(acc)
-    pd = _elementwise(jnp.multiply, p, ds)
-    inner = _broadcast(_row_sums(pd, pattern, impl), pattern, impl)
-    return _elementwise(lambda pd, p, inner: pd - p * inner, pd, p, inner)
+    return _bind(softmax_tangent_p, (p, ds.astype(p.dtype)), pattern, impl)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
@@ -295,4 +405,4 @@ def _softmax_jvp(impl, primals, tangents):
     scores, pattern = primals
     ds, _ = tangents
     out = _softmax(scores, pattern, impl)  # itself differentiable: higher orders work
-    return out, _tangent(out, ds, pattern, impl).astype(out.dtype)
+    return out, _tangent(out, ds, pattern, impl)

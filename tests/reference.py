@@ -143,3 +143,34 @@ def reduce_reference(A, x: np.ndarray, reduce: str) -> tuple[np.ndarray, np.ndar
                 k = nan[0] if nan.size else best(col)
                 out[i, f], arg[i, f] = col[k], indices[lo + k]
     return out, arg
+
+
+def softmax_reference(scores, rows: np.ndarray, m: int) -> np.ndarray:
+    """Float64 max-shifted softmax of ``scores`` (``(k, ...)``) within each row id;
+    entries whose id is outside ``[0, m)`` belong to no row and get 0 (dropped)."""
+    s = np.asarray(jnp.asarray(scores, jnp.float32), np.float64)
+    keep = (rows >= 0) & (rows < m)
+    r = np.where(keep, rows, 0)
+    peak = np.full((m, *s.shape[1:]), -np.inf)
+    np.maximum.at(peak, r[keep], s[keep])
+    peak = np.where(np.isfinite(peak), peak, 0.0)
+    e = np.exp(s - peak[r])
+    total = np.zeros_like(peak)
+    np.add.at(total, r[keep], e[keep])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        out = e / total[r]
+    out[~keep] = 0.0
+    return out
+
+
+def softmax_grad_reference(p: np.ndarray, g, rows: np.ndarray, m: int) -> np.ndarray:
+    """Float64 ``p * (g - rowsum(p * g)[row])``; dropped entries (ids outside
+    ``[0, m)``) get 0."""
+    g = np.asarray(jnp.asarray(g, jnp.float32), np.float64)
+    keep = (rows >= 0) & (rows < m)
+    r = np.where(keep, rows, 0)
+    inner = np.zeros((m, *p.shape[1:]))
+    np.add.at(inner, r[keep], (p * g)[keep])
+    out = p * (g - inner[r])
+    out[~keep] = 0.0
+    return out

@@ -17,7 +17,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from reference import assert_close, power_law_ids, random_csr, random_values, reduce_reference
+from reference import (
+    assert_close,
+    power_law_ids,
+    random_csr,
+    random_values,
+    reduce_reference,
+    softmax_grad_reference,
+    softmax_reference,
+)
 
 import jaxcsr
 from jaxcsr import CSRMatrix
@@ -214,6 +222,135 @@ def test_corrupted_structures_never_reach_the_kernel(rng):
         jax.block_until_ready(jaxcsr.matmul(corrupted, jnp.ones((4, 3)), impl="cpu"))
 
 
+# ------------------------------------------------------------------ fused softmax
+def _softmax_case(rng, kind: str, size: int = K):
+    """``(softmax function of x, row id of every entry, m)``: unsorted and sorted
+    segment ids (a hub with 90 % of the entries among them) for ``segment_softmax``,
+    general patterns (their CSR order) for ``edge_softmax``."""
+    if kind.startswith(("segment", "hub")):
+        ids = _hub_ids(rng, size, M) if kind.startswith("hub") else power_law_ids(rng, size, M)
+        if kind.endswith("sorted"):
+            ids = np.sort(ids)
+        return (lambda x: jaxcsr.segment_softmax(x, ids, M)), ids, M
+    A, _ = _matrix(rng, kind)
+    mat = A.to_scipy().tocsr()
+    rows = np.repeat(np.arange(mat.shape[0]), np.diff(mat.indptr))
+    return (lambda x: jaxcsr.edge_softmax(A, x)), rows, A.shape[0]
+
+
+SOFTMAX_KINDS = ["segment", "segment_sorted", "hub", "hub_sorted", "general", "empty_rows"]
+SOFTMAX_KINDS += ["duplicates"]
+
+
+@pytest.mark.parametrize("kind", SOFTMAX_KINDS)
+def test_native_softmax_and_its_gradient_match_float64(rng, kind):
+    """The fused kernel (forward and backward from the output) on every pattern kind
+    it runs (patterns sorted by row), three dtypes, one head (the eight-lane path), 5
+    and 40 heads; unsorted ids run the XLA composition, checked here too."""
+    softmax, rows, m = _softmax_case(rng, kind)
+    native = kind not in ("segment", "hub")
+    for dtype in DTYPES:
+        for heads in (1, 5, 40):
+            x = jnp.asarray(3 * rng.standard_normal((len(rows), heads)), dtype)
+            g = jnp.asarray(rng.standard_normal((len(rows), heads)), dtype)
+            forward = jax.jit(softmax)
+            backward = jax.jit(lambda x, g: jax.vjp(softmax, x)[1](g)[0])
+            calls = backward.lower(x, g).as_text().count("jaxcsr_cpu_softmax")
+            assert calls == (2 if native else 0), kind
+            want = softmax_reference(x, rows, m)
+            assert_close(forward(x), want, dtype)
+            assert_close(backward(x, g), softmax_grad_reference(want, g, rows, m), dtype)
+
+
+def test_native_softmax_keeps_long_rows_of_16_bit_outputs_exact(rng):
+    """A row longer than the kernel's buffer of kept exps (8192 floats): 16-bit
+    outputs compute the exps again, float32 ones keep them in the output."""
+    ids = np.sort(np.concatenate([np.zeros(9000, int), rng.integers(1, 5, 300)]))
+    for dtype in DTYPES:
+        x = jnp.asarray(3 * rng.standard_normal((len(ids), 1)), dtype)
+        assert_close(jaxcsr.segment_softmax(x, ids, 5), softmax_reference(x, ids, 5), dtype)
+
+
+@pytest.mark.parametrize("kind", ["segment", "segment_sorted"])
+def test_native_softmax_special_values_match_the_xla_path(rng, kind):
+    """NaN, +inf, rows of -inf, peaks far above exp's range and far below: the same
+    values (NaN where NaN) as the XLA composition, and float64 where finite."""
+    ids = power_law_ids(rng, K, M)
+    if kind.endswith("sorted"):
+        ids = np.sort(ids)
+    x = 3 * rng.standard_normal((K, 2))
+    special = np.unique(ids)[:5]
+    first = [np.flatnonzero(ids == r)[0] for r in special]
+    x[first[0], 0] = np.nan  # the row is NaN
+    x[first[1], 0] = np.inf  # NaN at the inf, 0 elsewhere
+    x[ids == special[2], 0] = -np.inf  # NaN (as jax.nn.softmax)
+    x[ids == special[3], 0] += 1e4  # far above exp's range: a fine softmax
+    x[ids == special[4], 0] -= 1e4  # far below: a fine softmax
+    x = jnp.asarray(x, np.float32)
+    native = jaxcsr.segment_softmax(x, ids, M)
+    composed = jaxcsr.segment_softmax(x, ids, M, impl="xla")
+    np.testing.assert_allclose(np.asarray(native), np.asarray(composed), rtol=1e-5, atol=1e-7)
+    want = softmax_reference(x, ids, M)
+    finite = np.isfinite(want)
+    assert_close(np.asarray(native)[finite], want[finite], np.float32)
+    assert np.array_equal(np.isnan(np.asarray(native)), np.isnan(want))
+
+
+@pytest.mark.parametrize("sorted_ids", [False, True])
+def test_native_softmax_of_traced_ids_drops_what_jax_ops_drops(rng, sorted_ids):
+    ids = power_law_ids(rng, K, M)
+    ids[rng.random(K) < 0.1] = M + 3
+    if sorted_ids:
+        ids = np.sort(ids)
+    else:
+        ids[rng.random(K) < 0.05] = -2
+    x = jnp.asarray(rng.standard_normal((K, 3)), np.float32)
+    g = jnp.asarray(rng.standard_normal((K, 3)), np.float32)
+
+    def softmax(i, x):
+        return jaxcsr.segment_softmax(x, i, M, indices_are_sorted=sorted_ids)
+
+    forward = jax.jit(softmax)
+    backward = jax.jit(lambda i, x, g: jax.vjp(lambda x: softmax(i, x), x)[1](g)[0])
+    native = "jaxcsr_cpu_softmax" in forward.lower(jnp.asarray(ids), x).as_text()
+    assert native == sorted_ids  # unsorted ids: the XLA composition
+    want = softmax_reference(x, ids, M)
+    assert_close(forward(jnp.asarray(ids), x), want, np.float32)
+    assert_close(
+        backward(jnp.asarray(ids), x, g), softmax_grad_reference(want, g, ids, M), np.float32
+    )
+
+
+@pytest.mark.parametrize("kind", ["segment_sorted", "hub_sorted", "general"])
+def test_native_softmax_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
+    """Large enough for several chunks of rows."""
+    softmax, rows, _ = _softmax_case(rng, kind, size=20_000)
+    x = jnp.asarray(rng.standard_normal((len(rows), 8)), np.float32)
+    g = jnp.asarray(rng.standard_normal((len(rows), 8)), np.float32)
+
+    def both(x, g):
+        out, vjp = jax.vjp(softmax, x)
+        return out, vjp(g)[0]
+
+    every = jax.jit(both)
+    with cpu.threads(1):
+        one = jax.jit(both)
+        assert "max_threads = 1" in one.lower(x, g).as_text()
+        y1 = one(x, g)
+    for a, b in zip(y1, every(x, g), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_native_softmax_refuses_a_corrupted_row_pointer():
+    """The kernel's own guard: a row pointer past the entries is an error, not a read."""
+    call = jax.ffi.ffi_call("jaxcsr_cpu_softmax", jax.ShapeDtypeStruct((4, 2), jnp.float32))
+    x, empty = jnp.ones((4, 2), jnp.float32), jnp.zeros((0,), jnp.float32)
+    for indptr in ([0, 3, 9], [0, 3, 2], [1, 2, 4], [0, -1, 4]):
+        with pytest.raises(Exception, match="jaxcsr cpu"):
+            indptr = jnp.asarray(indptr, jnp.int32)
+            jax.block_until_ready(call(indptr, x, empty, max_threads=np.int64(0)))
+
+
 HIDDEN = """
 import warnings
 import jax.numpy as jnp, numpy as np
@@ -286,6 +423,12 @@ for trial in range(4):
                         jaxcsr.sddmm(G, jnp.asarray(rng.standard_normal((m, f)), dtype), x),
                         jaxcsr.sddmm(A.T, v, jnp.asarray(rng.standard_normal((m, f)), dtype))):
                 jax.block_until_ready(out)
+            # the fused softmax and its backward: unsorted/sorted ids, CSR patterns
+            for fn, s in ((lambda s: jaxcsr.segment_softmax(s, ids, int(m)), v),
+                          (lambda s: jaxcsr.edge_softmax(G, s), jnp.asarray(
+                              rng.standard_normal((G.nnz, f)), dtype))):
+                out, vjp = jax.vjp(fn, s)
+                jax.block_until_ready((out, vjp(s)))
 print("ok")
 """
 

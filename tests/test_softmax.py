@@ -7,7 +7,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.test_util import check_grads
-from reference import assert_close, power_law_ids, random_csr
+from reference import (
+    assert_close,
+    power_law_ids,
+    random_csr,
+    softmax_grad_reference,
+    softmax_reference,
+)
 
 import jaxcsr
 from jaxcsr import CSRMatrix
@@ -19,34 +25,21 @@ def _rows(A: CSRMatrix) -> np.ndarray:
     return np.repeat(np.arange(mat.shape[0]), np.diff(mat.indptr))
 
 
-def _softmax64(scores, rows: np.ndarray, m: int) -> np.ndarray:
-    """Float64 max-shifted softmax of ``scores`` (``(k, ...)``) within each row id."""
-    s = np.asarray(jnp.asarray(scores, jnp.float32), np.float64)
-    peak = np.full((m, *s.shape[1:]), -np.inf)
-    np.maximum.at(peak, rows, s)
-    peak = np.where(np.isfinite(peak), peak, 0.0)
-    e = np.exp(s - peak[rows])
-    total = np.zeros_like(peak)
-    np.add.at(total, rows, e)
-    with np.errstate(invalid="ignore"):
-        return e / total[rows]
+# The platform's default (on CPU the native fused kernel, when built) and the XLA
+# composition (unshifted fast path + exact branch): every value test runs both.
+PATHS = pytest.mark.parametrize("backends", [None, ("xla",)], ids=["default", "xla"])
+XLA = ("xla",)
 
 
-def _softmax_grad64(p: np.ndarray, g, rows: np.ndarray, m: int) -> np.ndarray:
-    g = np.asarray(g, np.float64)
-    inner = np.zeros((m, *p.shape[1:]))
-    np.add.at(inner, rows, p * g)
-    return p * (g - inner[rows])
-
-
-def _matrices(rng):
+def _matrices(rng, backends=None):
     """A hub row, empty rows, duplicates, odd sizes; a from_indices matrix; its transpose."""
-    yield CSRMatrix.from_scipy(random_csr(rng, 37, 29, "power_law"))
-    yield CSRMatrix.from_scipy(random_csr(rng, 31, 23, "empty_rows"))
+    b = {"backends": backends}
+    yield CSRMatrix.from_scipy(random_csr(rng, 37, 29, "power_law"), **b)
+    yield CSRMatrix.from_scipy(random_csr(rng, 31, 23, "empty_rows"), **b)
     rows, cols = rng.integers(0, 11, 60), rng.integers(0, 7, 60)  # duplicates kept
-    yield CSRMatrix.from_coo(rows, cols, shape=(13, 7))
-    yield CSRMatrix.from_indices(power_law_ids(rng, 41, 19), 19)
-    yield CSRMatrix.from_indices(rng.integers(0, 9, 15), 9).T  # one entry per row
+    yield CSRMatrix.from_coo(rows, cols, shape=(13, 7), **b)
+    yield CSRMatrix.from_indices(power_law_ids(rng, 41, 19), 19, **b)
+    yield CSRMatrix.from_indices(rng.integers(0, 9, 15), 9, **b).T  # one entry per row
 
 
 def _scores(rng, nnz, heads, spread=3.0):
@@ -54,21 +47,23 @@ def _scores(rng, nnz, heads, spread=3.0):
     return (spread * rng.standard_normal(shape)).astype(np.float32)
 
 
+@PATHS
 @pytest.mark.parametrize("heads", [None, 1, 4])
-def test_values_on_every_structure_kind(rng, heads):
-    for A in _matrices(rng):
+def test_values_on_every_structure_kind(rng, heads, backends):
+    for A in _matrices(rng, backends):
         s = _scores(rng, A.nnz, heads)
         out = jax.jit(jaxcsr.edge_softmax)(A, s)
         assert out.shape == s.shape and out.dtype == jnp.float32
-        assert_close(out, _softmax64(s, _rows(A), A.shape[0]), np.float32)
+        assert_close(out, softmax_reference(s, _rows(A), A.shape[0]), np.float32)
 
 
+@PATHS
 @pytest.mark.parametrize(
     "case", ["large", "very_negative_row", "overflow_in_one_row", "neg_inf", "all_neg_inf"]
 )
-def test_fast_and_exact_paths_agree_with_float64(rng, case):
+def test_fast_and_exact_paths_agree_with_float64(rng, case, backends):
     """Scores that make the unshifted sums overflow or underflow take the exact path."""
-    A = CSRMatrix.from_scipy(random_csr(rng, 29, 31, "power_law"))
+    A = CSRMatrix.from_scipy(random_csr(rng, 29, 31, "power_law"), backends=backends)
     rows = _rows(A)
     s = _scores(rng, A.nnz, 3)
     hub = np.bincount(rows).argmax()
@@ -85,7 +80,7 @@ def test_fast_and_exact_paths_agree_with_float64(rng, case):
     else:
         s[in_hub] = -np.inf
     out = np.asarray(jax.jit(jaxcsr.edge_softmax)(A, s))
-    want = _softmax64(s, rows, A.shape[0])
+    want = softmax_reference(s, rows, A.shape[0])
     if case == "all_neg_inf":  # as jax.nn.softmax: NaN for a row of -inf
         assert np.all(np.isnan(out[in_hub])) and not np.any(np.isnan(out[~in_hub]))
         out, want = out[~in_hub], want[~in_hub]
@@ -99,8 +94,9 @@ def test_fast_and_exact_paths_agree_with_float64(rng, case):
 
 
 def test_unsafe_sums_take_the_exact_branch(rng):
-    """The check that picks the branch: fine scores do not, overflowing ones do."""
-    A = CSRMatrix.from_scipy(random_csr(rng, 17, 19, "uniform"))
+    """The check that picks the branch of the XLA composition: fine scores do not,
+    overflowing ones do."""
+    A = CSRMatrix.from_scipy(random_csr(rng, 17, 19, "uniform"), backends=XLA)
     pattern = softmax_module.rows_pattern(A)
     s = jnp.asarray(_scores(rng, A.nnz, 2))
     calls = []
@@ -131,12 +127,15 @@ _PEAKS = {
 }
 
 
+@PATHS
 @pytest.mark.parametrize("dtype", list(_PEAKS))
-def test_rows_peaking_near_exp_limit(rng, dtype):
+def test_rows_peaking_near_exp_limit(rng, dtype, backends):
     """Every row peak across exp's upper limit gives the float64 softmax, in every float
     dtype (regression: peaks in ~(87.34, 88.72) used to give all zeros, because the
     reciprocal of the row sum was subnormal and flushed to zero)."""
-    A = CSRMatrix.from_coo(np.array([0, 0, 0, 1, 1]), np.array([0, 1, 2, 0, 2]), shape=(2, 3))
+    A = CSRMatrix.from_coo(
+        np.array([0, 0, 0, 1, 1]), np.array([0, 1, 2, 0, 2]), shape=(2, 3), backends=backends
+    )
     rows = _rows(A)
     f = jax.jit(jaxcsr.edge_softmax)
     g = rng.standard_normal((A.nnz, 2)).astype(np.float32)
@@ -147,12 +146,12 @@ def test_rows_peaking_near_exp_limit(rng, dtype):
             base = np.array([peak, peak - 0.75, peak - 4.0, 1.5, -0.5])
             s = np.stack([base, base[[1, 0, 2, 4, 3]]], axis=1)  # two heads
             s = jnp.asarray(s, jdtype)
-            want = _softmax64(np.asarray(s, np.float64), rows, 2)
+            want = softmax_reference(np.asarray(s, np.float64), rows, 2)
             out = f(A, s)
             assert out.dtype == jdtype
             assert_close(out, want, tol_dtype)
             if tol_dtype != np.float64:  # gradients too (they read the output only)
-                g_want = _softmax_grad64(want, g, rows, 2)
+                g_want = softmax_grad_reference(want, g, rows, 2)
                 assert_close(grad(s.astype(jnp.float32)), g_want, np.float32)
 
     if dtype == "float64":
@@ -187,15 +186,20 @@ def test_fast_path_bounds_at_their_edges(dtype):
 
 
 def test_safe_total_edge_in_results():
-    """Just above SAFE_TOTAL the fast path runs: an entry whose exp underflows gets 0
-    (its true probability is e**-80 ~ 1.8e-35, below the documented 1.3e-26); just
-    below it the exact branch runs and gets e**-80."""
-    A = CSRMatrix.from_dense(np.ones((1, 2), np.float32))
+    """Just above SAFE_TOTAL the composition's fast path runs: an entry whose exp
+    underflows gets 0 (its true probability is e**-80 ~ 1.8e-35, below the documented
+    1.3e-26); just below it the exact branch runs and gets e**-80. The fused kernel
+    always shifts: e**-80 on both sides."""
     edge = -40 * np.log(2.0)  # ln SAFE_TOTAL, the documented 2**-40 (not read from the code)
-    above = np.asarray(jaxcsr.edge_softmax(A, jnp.array([edge + 0.05, edge + 0.05 - 80.0])))
-    below = np.asarray(jaxcsr.edge_softmax(A, jnp.array([edge - 0.05, edge - 0.05 - 80.0])))
-    assert above[0] == 1.0 and above[1] == 0.0
-    assert below[0] == 1.0 and below[1] == pytest.approx(np.exp(-80.0), rel=1e-4, abs=0)
+    for backends in (XLA, None):
+        A = CSRMatrix.from_dense(np.ones((1, 2), np.float32), backends=backends)
+        above = np.asarray(jaxcsr.edge_softmax(A, jnp.array([edge + 0.05, edge + 0.05 - 80.0])))
+        below = np.asarray(jaxcsr.edge_softmax(A, jnp.array([edge - 0.05, edge - 0.05 - 80.0])))
+        fused = backends is None and jaxcsr.kernels.cpu.available()
+        assert above[0] == 1.0 and above[1] == (
+            pytest.approx(np.exp(-80.0), rel=1e-4) if fused else 0.0
+        )
+        assert below[0] == 1.0 and below[1] == pytest.approx(np.exp(-80.0), rel=1e-4, abs=0)
 
 
 def test_eager_calls_compile_once(rng):
@@ -229,15 +233,16 @@ def test_eager_calls_compile_once(rng):
         jax.monitoring.unregister_event_duration_listener(listener)
 
 
+@PATHS
 @pytest.mark.parametrize("heads", [None, 3])
-def test_gradients_against_float64_and_finite_differences(rng, heads):
-    A = CSRMatrix.from_scipy(random_csr(rng, 23, 19, "power_law"))
+def test_gradients_against_float64_and_finite_differences(rng, heads, backends):
+    A = CSRMatrix.from_scipy(random_csr(rng, 23, 19, "power_law"), backends=backends)
     rows, m = _rows(A), A.shape[0]
     s = _scores(rng, A.nnz, heads, spread=1.0)
     g = rng.standard_normal(s.shape).astype(np.float32)
     grad = jax.jit(jax.grad(lambda s: jnp.sum(jaxcsr.edge_softmax(A, s) * g)))(s)
-    p = _softmax64(s, rows, m)
-    assert_close(grad, _softmax_grad64(p, g, rows, m), np.float32)
+    p = softmax_reference(s, rows, m)
+    assert_close(grad, softmax_grad_reference(p, g, rows, m), np.float32)
     check_grads(
         jax.jit(lambda s: jaxcsr.edge_softmax(A, s)),  # jitted: the check traces it once
         (jnp.asarray(s),),
@@ -249,51 +254,59 @@ def test_gradients_against_float64_and_finite_differences(rng, heads):
     )
 
 
-def test_gradient_on_the_exact_path(rng):
-    A = CSRMatrix.from_scipy(random_csr(rng, 19, 17, "power_law"))
+@PATHS
+def test_gradient_on_the_exact_path(rng, backends):
+    A = CSRMatrix.from_scipy(random_csr(rng, 19, 17, "power_law"), backends=backends)
     rows, m = _rows(A), A.shape[0]
     s = _scores(rng, A.nnz, 2) + 150.0  # exp overflows: the exact branch runs
     g = rng.standard_normal(s.shape).astype(np.float32)
     grad = jax.grad(lambda s: jnp.sum(jaxcsr.edge_softmax(A, s) * g))(s)
-    assert_close(grad, _softmax_grad64(_softmax64(s, rows, m), g, rows, m), np.float32)
+    want = softmax_grad_reference(softmax_reference(s, rows, m), g, rows, m)
+    assert_close(grad, want, np.float32)
 
 
+@PATHS
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
-def test_16_bit_scores(rng, dtype):
-    A = CSRMatrix.from_scipy(random_csr(rng, 29, 23, "power_law"))
+def test_16_bit_scores(rng, dtype, backends):
+    A = CSRMatrix.from_scipy(random_csr(rng, 29, 23, "power_law"), backends=backends)
     s = jnp.asarray(_scores(rng, A.nnz, 2), dtype)
     out = jaxcsr.edge_softmax(A, s)
     assert out.dtype == dtype
-    assert_close(out, _softmax64(s, _rows(A), A.shape[0]), dtype)
+    assert_close(out, softmax_reference(s, _rows(A), A.shape[0]), dtype)
 
 
-def test_segment_softmax_is_the_fused_edge_softmax(rng):
+@pytest.mark.parametrize("impl", [None, "xla"])
+def test_segment_softmax_is_the_fused_edge_softmax(rng, impl):
     """Input-order logits over unsorted segment ids, heads axis, axis=-1, gradients."""
     ids = power_law_ids(rng, 57, 13)
     x = _scores(rng, 57, 3)
-    want = _softmax64(x, ids, 13)
-    assert_close(jaxcsr.segment_softmax(x, ids, 13), want, np.float32)
-    assert_close(jaxcsr.segment_softmax(x.T, ids, 13, axis=-1), want.T, np.float32)
-    A = CSRMatrix.from_indices(ids, 13)
+    want = softmax_reference(x, ids, 13)
+    assert_close(jaxcsr.segment_softmax(x, ids, 13, impl=impl), want, np.float32)
+    assert_close(jaxcsr.segment_softmax(x.T, ids, 13, axis=-1, impl=impl), want.T, np.float32)
+    A = CSRMatrix.from_indices(ids, 13, backends=None if impl is None else (impl,))
     in_csr_order = np.asarray(A.input_order)
     assert_close(jaxcsr.edge_softmax(A, x[in_csr_order]), want[in_csr_order], np.float32)
     g = rng.standard_normal(x.shape).astype(np.float32)
-    grad = jax.grad(lambda x: jnp.sum(jaxcsr.segment_softmax(x, ids, 13) * g))(x)
-    assert_close(grad, _softmax_grad64(want, g, ids, 13), np.float32)
+    grad = jax.grad(lambda x: jnp.sum(jaxcsr.segment_softmax(x, ids, 13, impl=impl) * g))(x)
+    assert_close(grad, softmax_grad_reference(want, g, ids, 13), np.float32)
 
 
-def test_jit_vmap_and_one_compile_per_shape(rng):
+@PATHS
+def test_jit_vmap_and_one_compile_per_shape(rng, backends):
     """Matrices with different degree distributions but equal (shape, nnz, kind) share
     one compilation, and each gets its own (correct) values."""
     m, n, nnz = 17, 21, 60
     hub = np.concatenate([np.zeros(45, int), rng.integers(1, m, 15)])
     spread = rng.integers(0, m, nnz)
-    mats = [CSRMatrix.from_coo(r, rng.integers(0, n, nnz), shape=(m, n)) for r in (hub, spread)]
+    mats = [
+        CSRMatrix.from_coo(r, rng.integers(0, n, nnz), shape=(m, n), backends=backends)
+        for r in (hub, spread)
+    ]
     assert np.bincount(_rows(mats[0])).max() >= 45 > np.bincount(_rows(mats[1])).max()
     f = jax.jit(lambda A, s: jaxcsr.edge_softmax(A, s))  # a fresh cache
     for A in mats:
         s = _scores(rng, nnz, 2)
-        assert_close(f(A, s), _softmax64(s, _rows(A), m), np.float32)
+        assert_close(f(A, s), softmax_reference(s, _rows(A), m), np.float32)
     assert f._cache_size() == 1
     batch = np.stack([_scores(rng, nnz, None) for _ in range(4)])
     out = jax.vmap(jaxcsr.edge_softmax, in_axes=(None, 0))(mats[0], batch)
@@ -303,9 +316,9 @@ def test_jit_vmap_and_one_compile_per_shape(rng):
         batch, g
     )
     for b in range(4):
-        p = _softmax64(batch[b], rows, m)
+        p = softmax_reference(batch[b], rows, m)
         assert_close(out[b], p, np.float32)
-        assert_close(grads[b], _softmax_grad64(p, g[b], rows, m), np.float32)
+        assert_close(grads[b], softmax_grad_reference(p, g[b], rows, m), np.float32)
 
 
 def test_empty_matrices():

@@ -82,6 +82,11 @@ class Backend:
       sddmm: ``(ct, x, view, *, out_dtype) -> (nnz,)``, the sampled product (the
         fallback's is used for every backend; ``None``: none of its own).
       arg_search: an :class:`ArgSearch` (the fallback's is used for every backend).
+      softmax: ``(x, g, view, *, out_dtype, fallback) -> (n, H)``, fused: the softmax
+        of ``x`` over the rows of a one-per-column ``view`` (``g`` is ``None``), or
+        the softmax's tangent from its output ``x = p``, ``p * g - p * rowsum(p *
+        g)[row]``; calls ``fallback()`` (the XLA composition) for what it does not
+        take. ``None``: the composition runs, on this backend's products.
       missing: what is missing when :attr:`available` is False (for the messages).
       device_plan: ``Structure (device leaves, may be traced) -> plan pytree``, the
         twin of ``plan`` in ``jnp``/``lax``, for matrices planned inside a trace
@@ -99,6 +104,7 @@ class Backend:
     available: Callable[[], bool] = lambda: True
     sddmm: Callable[..., jax.Array] | None = None
     arg_search: ArgSearch | None = None
+    softmax: Callable[..., jax.Array] | None = None
     device_plan: Callable[[Structure], Any] | None = None
     missing: str = "the Pallas backend this kernel is written in"
 
@@ -231,6 +237,7 @@ register(
         cpu.describe,
         available=cpu.available,
         sddmm=cpu.sddmm,
+        softmax=cpu.softmax,
         device_plan=cpu.plan,
         missing="jaxcsr's compiled CPU library (built by pip install with a C++17 compiler)",
     )

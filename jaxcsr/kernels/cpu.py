@@ -22,6 +22,12 @@ are and accumulate in float32; each takes ``reduce="sum"``, ``"max"`` or ``"min"
 ``sddmm``
     ``out[k] = ct[row k] . x[col k]`` (:func:`sddmm`, the values' gradient): per row
     for general views, per entry in input order for one-per-column views.
+``softmax``
+    The softmax over rows (:func:`softmax`: ``edge_softmax``, ``segment_softmax``
+    with sorted ids) and its tangent, fused: each row's max, ``exp`` and sum, then
+    the normalised output, one row at a time while it is in cache; ``exp`` is the
+    kernel's own (eight lanes at a time, within 1 ulp of float64 on every float32
+    input in [-110, 90], checked exhaustively).
 
 Float64 and integers run on the XLA path (:mod:`jaxcsr.kernels.xla`), as does the arg search
 of ``return_arg`` and the max/min gradient (the fallback's, for every backend). The
@@ -47,13 +53,23 @@ from jaxcsr.dtypes import KERNEL_DTYPES, product_dtype
 from jaxcsr.kernels import xla
 from jaxcsr.structure import Structure
 
-__all__ = ["available", "describe", "library_path", "plan", "product", "sddmm", "threads"]
+__all__ = [
+    "available",
+    "describe",
+    "library_path",
+    "plan",
+    "product",
+    "sddmm",
+    "softmax",
+    "threads",
+]
 
 _TARGETS = {
     "jaxcsr_cpu_pull": "JaxcsrCsrPull",
     "jaxcsr_cpu_push": "JaxcsrRowPush",
     "jaxcsr_cpu_sddmm": "JaxcsrSddmm",
     "jaxcsr_cpu_gather": "JaxcsrGather",
+    "jaxcsr_cpu_softmax": "JaxcsrSoftmax",
 }
 _MAX_THREADS = 0
 _REDUCE = {"sum": 0, "max": 1, "min": 2}
@@ -190,3 +206,23 @@ def sddmm(ct, x, view: Structure, *, out_dtype):
     indptr = view.view_indptr().astype(jnp.int32)
     cols = view.view_indices().astype(jnp.int32)
     return call(out)(indptr, empty, cols, ct, x, **attrs)
+
+
+def softmax(x, g, view: Structure, *, out_dtype, fallback):
+    """Backend entry: the softmax of ``x`` (``(n, H)``) over the rows of the
+    one-per-column ``view``, or with ``g`` its tangent from the output ``x``,
+    natively when the view's entries are sorted by row (``edge_softmax``'s pattern,
+    sorted segment ids); ``fallback()`` otherwise.
+
+    Each row is shifted by its own max (no unshifted fast path, no ``lax.cond``) and
+    reduced in one fixed order: bit-identical for any thread count. Unsorted segment
+    ids run the XLA composition: measured faster than a kernel whose row owners scan
+    every id (branch mispredictions on ids in random order) and than sorting the
+    values first (two gathers of ``(n, H)``): docs/cpu.md."""
+    dtype = x.dtype if g is None else product_dtype(x.dtype, g.dtype)
+    if not (runs(view, dtype, None, out_dtype) and view.one_per_column and view.sorted_ids):
+        return fallback()
+    x = x.astype(dtype)
+    g = jnp.zeros((0,), dtype) if g is None else g.astype(dtype)
+    call = jax.ffi.ffi_call("jaxcsr_cpu_softmax", jax.ShapeDtypeStruct(x.shape, out_dtype))
+    return call(view.indptr, x, g, max_threads=np.int64(_MAX_THREADS))

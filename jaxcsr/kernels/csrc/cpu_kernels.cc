@@ -109,16 +109,20 @@ struct Sum {
   static constexpr float init = 0.0f;
   JAXCSR_INLINE static float combine(float acc, float v) { return acc + v; }
 };
+// (Written as two selects, which compile to maxss/minss and a conditional move: no
+// branch to mispredict on data in random order.)
 struct Max {
   static constexpr float init = -__builtin_inff();
   JAXCSR_INLINE static float combine(float acc, float v) {
-    return (v > acc || v != v) ? v : acc;
+    const float top = v > acc ? v : acc;
+    return v != v ? v : top;
   }
 };
 struct Min {
   static constexpr float init = __builtin_inff();
   JAXCSR_INLINE static float combine(float acc, float v) {
-    return (v < acc || v != v) ? v : acc;
+    const float low = v < acc ? v : acc;
+    return v != v ? v : low;
   }
 };
 
@@ -227,16 +231,23 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
   }
 }
 
-// Rows [lo, hi) of the push product: every id is scanned, those in range are added.
+// Entries [k0, k1) of the push product into ``acc`` (all m rows, from Op::init): each
+// entry's row is read, no branch per entry, so ids in any order cost the same. Ids
+// outside [0, m) are dropped.
 template <typename In, typename Out, typename Op>
 JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage* data,
-                                  const typename In::Storage* x, float* acc_all,
-                                  int64_t entries, int64_t f, int64_t lo, int64_t hi) {
-  std::fill(acc_all + lo * f, acc_all + hi * f, Op::init);
-  for (int64_t k = 0; k < entries; ++k) {
+                                  const typename In::Storage* x, float* acc, int64_t m,
+                                  int64_t f, int64_t k0, int64_t k1) {
+  std::fill(acc, acc + m * f, Op::init);
+  for (int64_t k = k0; k < k1; ++k) {
     const int64_t r = ids[k];
-    if (r < lo || r >= hi) continue;
-    accumulate<In, Op>(acc_all + r * f, x + k * f, data ? In::load(data[k]) : 1.0f, f);
+    if (static_cast<uint64_t>(r) >= static_cast<uint64_t>(m)) continue;
+    const float w = data ? In::load(data[k]) : 1.0f;
+    if (f == 1) {
+      acc[r] = Op::combine(acc[r], w * In::load(x[k]));
+    } else {
+      accumulate<In, Op>(acc + r * f, x + k * f, w, f);
+    }
   }
 }
 
@@ -304,27 +315,41 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   return !any_bad.load();
 }
 
+// The push product in P pieces of consecutive entries, P fixed by the sizes alone
+// (up to 8, at least 4 entries per row and piece, the partials within 256 MiB): each
+// piece reduces its entries into its own (m, f) float32 partial in input order, then
+// the partials are combined in piece order, rows split over threads. Every row is
+// reduced in one order that depends on the sizes only: bit-identical for any number
+// of threads; and no thread ever skips entries, so unsorted ids cost no branch
+// mispredictions.
 template <typename In, typename Out, typename Op>
 void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const int32_t* ids, const typename In::Storage* data,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
               int64_t entries, int64_t f) {
   const int64_t threads = thread_count(pool, max_threads);
-  // every chunk scans all ids: one chunk per thread, unless the work is small
-  const int64_t chunks = std::max<int64_t>(
-      1, std::min<int64_t>(threads, (entries * f) / 65536 + 1));
-  const std::vector<int64_t> starts = row_chunks(indptr, rows, chunks);
-  // float32 sums accumulate in the output itself; everything else in float32 scratch
-  constexpr bool direct = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
-  std::vector<float> scratch(direct ? 0 : rows * f);
-  float* acc_all = direct ? reinterpret_cast<float*>(y) : scratch.data();
+  const int64_t by_memory = (int64_t{256} << 20) / (4 * std::max<int64_t>(rows * f, 1));
+  const int64_t pieces = std::max<int64_t>(
+      1, std::min<int64_t>({8, entries / std::max<int64_t>(4 * rows, 1), by_memory}));
+  // float32 sums with one piece accumulate in the output itself
+  constexpr bool f32_sum = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
+  const bool direct = f32_sum && pieces == 1;
+  std::vector<float> partials(direct ? 0 : pieces * rows * f);
+  float* first = direct ? reinterpret_cast<float*>(y) : partials.data();
+  parallel_chunks(pool, pieces, threads, [&](int64_t p) {
+    run_best<PushRows<In, Out, Op>>(ids, data, x, first + p * rows * f, rows, f,
+                                    entries * p / pieces, entries * (p + 1) / pieces);
+  });
+  if (direct) return;
+  const int64_t chunks = std::max<int64_t>(1, std::min<int64_t>(threads * 4, rows * f / 16384 + 1));
   parallel_chunks(pool, chunks, threads, [&](int64_t c) {
-    const int64_t lo = starts[c], hi = starts[c + 1];
-    run_best<PushRows<In, Out, Op>>(ids, data, x, acc_all, entries, f, lo, hi);
-    if (!direct) {
-      for (int64_t r = lo; r < hi; ++r)
-        store_row<Out>(y + r * f, acc_all + r * f, f, indptr[r + 1] == indptr[r]);
+    const int64_t lo = rows * c / chunks, hi = rows * (c + 1) / chunks;
+    for (int64_t p = 1; p < pieces; ++p) {
+      const float* part = first + p * rows * f;
+      for (int64_t i = lo * f; i < hi * f; ++i) first[i] = Op::combine(first[i], part[i]);
     }
+    for (int64_t r = lo; r < hi; ++r)
+      store_row<Out>(y + r * f, first + r * f, f, indptr[r + 1] == indptr[r]);
   });
 }
 
@@ -631,6 +656,292 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::Any
                                 x.dimensions()[1]);
 }
 
+// ------------------------------------------------------------------ softmax
+// Eight floats at a time in GCC/Clang vector extensions: explicit, so the exp below is
+// vectorised whatever the compiler's cost model decides (one AVX register, or two SSE
+// ones in the baseline build).
+typedef float f32x8 __attribute__((vector_size(32)));
+typedef int32_t i32x8 __attribute__((vector_size(32)));
+
+JAXCSR_INLINE f32x8 splat(float v) { return f32x8{} + v; }
+
+// exp(x) in float32: Cephes' expf (exp(r) * 2^n, r = x - n ln 2 in [-ln2 / 2, ln2 / 2],
+// a degree-6 polynomial), 2^n applied as two normal factors so that results down to
+// the smallest subnormal are formed. Within 1 ulp of exp in float64 on every float32
+// input (checked exhaustively over [-110, 90]). exp(-inf) = 0, exp(inf) = inf, NaN
+// stays NaN.
+JAXCSR_INLINE f32x8 exp8(f32x8 x) {
+  const f32x8 lo = splat(-104.0f), hi = splat(88.72283935546875f);
+  f32x8 c = x > lo ? x : lo;  // NaN -> lo here; the last select restores it
+  c = c < hi ? c : hi;
+  const f32x8 t = c * 1.44269504088896341f + 0.5f;
+  i32x8 n = __builtin_convertvector(t, i32x8);       // toward zero
+  n += (__builtin_convertvector(n, f32x8) > t);      // true is -1: floor(t) = round(c / ln 2)
+  const f32x8 fn = __builtin_convertvector(n, f32x8);
+  const f32x8 r = (c - fn * 0.693359375f) - fn * -2.12194440e-4f;
+  f32x8 p = splat(1.9875691500e-4f);
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * (r * r) + r + 1.0f;
+  const i32x8 half = n >> 1;  // n in [-150, 128]: both factors are normal numbers
+  const f32x8 s1 = reinterpret_cast<f32x8>((half + 127) << 23);
+  const f32x8 s2 = reinterpret_cast<f32x8>((n - half + 127) << 23);
+  f32x8 e = p * s1 * s2;
+  e = x < lo ? splat(0.0f) : e;
+  e = x > hi ? splat(__builtin_inff()) : e;
+  return x != x ? x : e;
+}
+
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// Up to eight values from x[0:w] in float32, the rest ``pad``. Whole blocks of float32
+// and bfloat16 load as vectors.
+template <typename In>
+JAXCSR_INLINE f32x8 load8(const typename In::Storage* x, int64_t w, float pad) {
+  if (w >= 8) {
+    if constexpr (std::is_same<In, F32>::value) {
+      f32x8 v;
+      std::memcpy(&v, x, sizeof v);
+      return v;
+    } else if constexpr (std::is_same<In, BF16>::value) {
+      u16x8 h;
+      std::memcpy(&h, x, sizeof h);
+      return reinterpret_cast<f32x8>(__builtin_convertvector(h, u32x8) << 16);
+    }
+  }
+  f32x8 v = splat(pad);
+  for (int l = 0; l < (w < 8 ? w : 8); ++l) v[l] = In::load(x[l]);
+  return v;
+}
+
+JAXCSR_INLINE f32x8 load8f(const float* x, int64_t w) {
+  if (w >= 8) {
+    f32x8 v;
+    std::memcpy(&v, x, sizeof v);
+    return v;
+  }
+  f32x8 v = splat(0.0f);
+  for (int l = 0; l < w; ++l) v[l] = x[l];
+  return v;
+}
+
+// y[0:min(w, 8)] = v in the output dtype (bfloat16: round to nearest even, as
+// f32_to_bf16, eight at a time).
+template <typename Out>
+JAXCSR_INLINE void store8(typename Out::Storage* y, f32x8 v, int64_t w) {
+  if (w >= 8) {
+    if constexpr (std::is_same<Out, F32>::value) {
+      std::memcpy(y, &v, sizeof v);
+      return;
+    } else if constexpr (std::is_same<Out, BF16>::value) {
+      const u32x8 bits = reinterpret_cast<u32x8>(v);
+      const u32x8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+      const u32x8 nan = (bits >> 16) | 0x40u;
+      const u16x8 h = __builtin_convertvector(
+          (bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded, u16x8);
+      std::memcpy(y, &h, sizeof h);
+      return;
+    }
+  }
+  for (int l = 0; l < (w < 8 ? w : 8); ++l) y[l] = Out::store(v[l]);
+}
+
+JAXCSR_INLINE f32x8 max8(f32x8 acc, f32x8 v) {  // NaN propagates, as Max::combine
+  return (v > acc) | (v != v) ? v : acc;
+}
+
+// peak[0:h] = max(peak, x[0:h]), eight at a time.
+template <typename In>
+JAXCSR_INLINE void max_into(float* peak, const typename In::Storage* x, int64_t h) {
+  if (h < 8) {  // a partial vector would go through memory
+    for (int64_t c = 0; c < h; ++c) peak[c] = Max::combine(peak[c], In::load(x[c]));
+    return;
+  }
+  for (int64_t c = 0; c < h; c += 8) {
+    const f32x8 top = max8(load8f(peak + c, h - c), load8<In>(x + c, h - c, -__builtin_inff()));
+    for (int l = 0; l < (h - c < 8 ? h - c : 8); ++l) peak[c + l] = top[l];
+  }
+}
+
+JAXCSR_INLINE float lane_sum(f32x8 v) {
+  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
+}
+
+JAXCSR_INLINE float lane_max(f32x8 v) {
+  float top = v[0];
+  for (int l = 1; l < 8; ++l) top = Max::combine(top, v[l]);
+  return top;
+}
+
+constexpr int64_t kRowBuffer = 8192;  // floats of exp(x - peak) kept per row (32 KiB)
+
+// The shift of a row's softmax: its max where finite, else 0 (rows of -inf give
+// 0 / 0 = NaN, a row with +inf gives NaN there and 0 elsewhere, NaN gives NaN: the
+// XLA path's results).
+JAXCSR_INLINE float finite_or_zero(float peak) { return peak - peak == 0.0f ? peak : 0.0f; }
+
+// Over a row stored contiguously (``len`` entries of h heads): the softmax of each
+// head, out = exp(x - peak) * (1 / sum exp(x - peak)). One head reduces the row in eight
+// lanes (fixed order: vectorised, and the same bits for any thread count); several
+// heads run eight heads at a time per entry, with a row of h floats per statistic.
+template <typename In, typename Out>
+JAXCSR_INLINE void softmax_row(const typename In::Storage* __restrict x,
+                               typename Out::Storage* __restrict y, int64_t len, int64_t h,
+                               float* __restrict peak, float* __restrict inv,
+                               float* __restrict buffer) {
+  // exp(x - peak) is kept between the sum and the scaling (one exp per value, read
+  // back from cache): in y itself for float32 outputs, else in ``buffer`` when the row
+  // fits (kRowBuffer floats); longer rows of 16-bit outputs compute it again
+  constexpr bool kInY = std::is_same<Out, F32>::value;
+  const bool keep = kInY || len * h <= kRowBuffer;
+  float* kept = kInY ? reinterpret_cast<float*>(y) : buffer;
+  if (h == 1) {
+    f32x8 top = splat(-__builtin_inff());
+    for (int64_t i = 0; i < len; i += 8) top = max8(top, load8<In>(x + i, len - i, -__builtin_inff()));
+    const f32x8 shift = splat(finite_or_zero(lane_max(top)));
+    f32x8 sum = splat(0.0f);
+    for (int64_t i = 0; i < len; i += 8) {
+      const f32x8 e = exp8(load8<In>(x + i, len - i, -__builtin_inff()) - shift);
+      sum += e;
+      if (keep) store8<F32>(kept + i, e, len - i);
+    }
+    const f32x8 scale = splat(1.0f / lane_sum(sum));
+    for (int64_t i = 0; i < len; i += 8) {
+      const f32x8 e =
+          keep ? load8f(kept + i, len - i) : exp8(load8<In>(x + i, len - i, 0.0f) - shift);
+      store8<Out>(y + i, e * scale, len - i);
+    }
+    return;
+  }
+  for (int64_t c = 0; c < h; ++c) peak[c] = -__builtin_inff();
+  for (int64_t j = 0; j < len; ++j) max_into<In>(peak, x + j * h, h);
+  for (int64_t c = 0; c < h; ++c) {
+    peak[c] = finite_or_zero(peak[c]);
+    inv[c] = 0.0f;
+  }
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t c = 0; c < h; c += 8) {
+      const f32x8 e = exp8(load8<In>(x + j * h + c, h - c, 0.0f) - load8f(peak + c, h - c));
+      store8<F32>(inv + c, load8f(inv + c, h - c) + e, h - c);
+      if (keep) store8<F32>(kept + j * h + c, e, h - c);
+    }
+  for (int64_t c = 0; c < h; ++c) inv[c] = 1.0f / inv[c];
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t c = 0; c < h; c += 8) {
+      const f32x8 e =
+          keep ? load8f(kept + j * h + c, h - c)
+               : exp8(load8<In>(x + j * h + c, h - c, 0.0f) - load8f(peak + c, h - c));
+      store8<Out>(y + j * h + c, e * load8f(inv + c, h - c), h - c);
+    }
+}
+
+template <typename In, typename Out>
+JAXCSR_INLINE void tangent_row(const typename In::Storage* __restrict p,
+                               const typename In::Storage* __restrict g,
+                               typename Out::Storage* __restrict y, int64_t len, int64_t h,
+                               float* __restrict inner) {
+  if (h == 1) {
+    float lane[8] = {};
+    int64_t i = 0;
+    for (; i + 8 <= len; i += 8)
+      for (int l = 0; l < 8; ++l) lane[l] += In::load(p[i + l]) * In::load(g[i + l]);
+    for (int l = 0; i < len; ++i, ++l) lane[l] += In::load(p[i]) * In::load(g[i]);
+    const float dot =
+        ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    for (i = 0; i < len; ++i) {
+      const float pi = In::load(p[i]);
+      y[i] = Out::store(pi * In::load(g[i]) - pi * dot);
+    }
+    return;
+  }
+  for (int64_t c = 0; c < h; ++c) inner[c] = 0.0f;
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t c = 0; c < h; ++c) inner[c] += In::load(p[j * h + c]) * In::load(g[j * h + c]);
+  for (int64_t j = 0; j < len; ++j)
+    for (int64_t c = 0; c < h; ++c) {
+      const float pi = In::load(p[j * h + c]);
+      y[j * h + c] = Out::store(pi * In::load(g[j * h + c]) - pi * inner[c]);
+    }
+}
+
+// Rows [lo, hi) of a sorted pattern (row r's entries are indptr[r]..indptr[r+1]).
+// g == nullptr: the softmax of x; else the tangent from the output x = p.
+template <typename In, typename Out>
+JAXCSR_INLINE void softmax_sorted_body(const int32_t* indptr, const typename In::Storage* x,
+                                       const typename In::Storage* g,
+                                       typename Out::Storage* y, int64_t h, int64_t lo,
+                                       int64_t hi, float* scratch) {
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t j0 = indptr[r], len = indptr[r + 1] - j0;
+    if (len == 0) continue;
+    if (g) {
+      tangent_row<In, Out>(x + j0 * h, g + j0 * h, y + j0 * h, len, h, scratch);
+    } else {
+      softmax_row<In, Out>(x + j0 * h, y + j0 * h, len, h, scratch, scratch + h,
+                           scratch + 2 * h);
+    }
+  }
+}
+
+template <typename In, typename Out>
+struct SoftmaxSorted {
+  template <typename... Args>
+  JAXCSR_INLINE static void run(Args&&... args) {
+    softmax_sorted_body<In, Out>(std::forward<Args>(args)...);
+  }
+};
+
+template <typename In, typename Out, typename Unused>
+struct SoftmaxKernel {
+  static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+                        const void* x_any, const void* g_any, void* y_any, int64_t m,
+                        int64_t entries, int64_t h) {
+    const auto* x = static_cast<const typename In::Storage*>(x_any);
+    const auto* g = static_cast<const typename In::Storage*>(g_any);
+    auto* y = static_cast<typename Out::Storage*>(y_any);
+    const int64_t threads = thread_count(pool, max_threads);
+    // the entries after the last row (dropped ids, padded layouts) belong to none
+    for (int64_t i = indptr[m] * h; i < entries * h; ++i) y[i] = Out::store(0.0f);
+    const int64_t chunks = std::max<int64_t>(
+        1, std::min<int64_t>(threads * 8, (indptr[m] * h + m) / 16384 + 1));
+    const std::vector<int64_t> starts = row_chunks(indptr, m, chunks);
+    parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+      std::vector<float> scratch(2 * h + kRowBuffer);
+      run_best<SoftmaxSorted<In, Out>>(indptr, x, g, y, h, starts[c], starts[c + 1],
+                                       scratch.data());
+    });
+    return ffi::Error::Success();
+  }
+};
+
+// indptr: the pattern's (m + 1,) row pointer, its entries sorted by row (row r owns
+// entries indptr[r]..indptr[r+1]); x: (n, h); g: empty (the softmax of x) or (n, h)
+// (the tangent from the output x).
+ffi::Error SoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr, ffi::AnyBuffer x,
+                       ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
+  const int64_t m = static_cast<int64_t>(indptr.element_count()) - 1;
+  if (m < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
+  auto xd = x.dimensions();
+  if (xd.size() != 2 || y->dimensions().size() != 2 || y->dimensions()[0] != xd[0] ||
+      y->dimensions()[1] != xd[1])
+    return ffi::Error::InvalidArgument("jaxcsr cpu: softmax operand/output shapes do not match");
+  const int64_t entries = xd[0], h = xd[1];
+  const bool tangent = g.element_count() > 0;
+  if (tangent && (g.element_type() != x.element_type() ||
+                  static_cast<int64_t>(g.element_count()) != entries * h))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: softmax operands do not match");
+  const int32_t* ptr = indptr.typed_data();
+  if (ptr[m] < 0 || ptr[m] > entries || !valid_indptr(ptr, m, ptr[m]))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
+  return dispatch<SoftmaxKernel>(x.element_type(), y->element_type(), 0, pool, max_threads, ptr,
+                                 x.untyped_data(), tangent ? g.untyped_data() : nullptr,
+                                 y->untyped_data(), m, entries, h);
+}
+
 // Both products: (indptr, columns or ids, values or empty, x) -> y, with attributes.
 auto product_binding() {
   return ffi::Ffi::Bind()
@@ -655,6 +966,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrSddmm, SddmmImpl,
                                   .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("max_threads"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrSoftmax, SoftmaxImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
