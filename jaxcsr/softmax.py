@@ -35,6 +35,14 @@ gathers and three ``(nnz, H)`` temporaries forward, more backward:
 
 Scores and results are in float32 (float64 under x64) inside; 16-bit inputs are cast
 back at the end. A row whose scores are all ``-inf`` gives NaN, as ``jax.nn.softmax``.
+
+The forward and the tangent are primitives (:data:`softmax_p`,
+:data:`softmax_tangent_p`) lowered per platform: where the backend that runs the
+pattern's products has a fused softmax (:attr:`jaxcsr.kernels.Backend.softmax`: the
+native CPU backend, for patterns sorted by row -- ``edge_softmax``'s, sorted segment
+ids) it runs that, one pass per row with the exact max shift; everywhere else the
+composition above. The tangent's transpose is itself (per row it is
+``diag(p) - p p^T``, symmetric), and its own JVP is the composition's.
 """
 
 from __future__ import annotations
@@ -60,7 +68,15 @@ from jaxcsr.ops import (
 )
 from jaxcsr.validation import as_numeric
 
-__all__ = ["SAFE_TOTAL", "edge_softmax", "fast_path_safe", "max_safe_total", "rows_pattern"]
+__all__ = [
+    "SAFE_TOTAL",
+    "edge_softmax",
+    "fast_path_safe",
+    "max_safe_total",
+    "rows_pattern",
+    "softmax_p",
+    "softmax_tangent_p",
+]
 
 SAFE_TOTAL = 2.0**-40
 """Smallest row sum of unshifted ``exp(scores)`` the fast path accepts.

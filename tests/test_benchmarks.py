@@ -244,10 +244,11 @@ def test_cpu_native_study(tmp_path):
 
     if not cpu.available():
         pytest.skip("the CPU library is not built")
-    argv = ["--graphs", "cora", "--kinds", "segment,segment_sorted,spmm_T", "--features", "8"]
+    kinds = "segment,segment_sorted,segment_shuffled,spmm_T"
+    argv = ["--graphs", "cora", "--kinds", kinds, "--features", "8"]
     argv += ["--dtypes", "float32,bfloat16", "--repeats", "1", "--out", str(tmp_path)]
     result = cpu_native.main(argv)
-    assert len(result["rows"]) == 6
+    assert len(result["rows"]) == 8
     for row in result["rows"]:  # every system agrees with the XLA path
         for system, diff in row["max_abs_diff_vs_xla_path"].items():
             assert diff <= (2e-2 if row["dtype"] == "bfloat16" else 1e-5), (row, system)

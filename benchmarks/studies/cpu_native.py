@@ -9,6 +9,9 @@ For each graph, width F and dtype, four products, every system timed in turns:
 * ``segment_sorted``: the same values and ids reordered once by
   :func:`jaxcsr.segment_order`: jaxcsr vs ``segment_sum(..., indices_are_sorted=True)``
   and torch ``index_add_``.
+* ``segment_shuffled``: the same edges in a random order (one permutation, seed 0):
+  an edge list with no locality, where a row owner skipping other rows' ids would
+  mispredict a branch per id.
 * ``spmm`` / ``spmm_T``: the GCN-normalised adjacency (``A @ X`` and ``A.T @ G``, the
   backward): jaxcsr (native, one thread), jaxcsr's XLA path (jaxlib's CSR kernel),
   ``jax.experimental.sparse`` BCSR, scipy (float32) and torch ``sparse_csr`` mm.
@@ -61,6 +64,9 @@ def _systems(kind, graph, f, dtype, rng, torch):
         values = rng.standard_normal((ids.size, f)).astype(np.float32)
         if kind == "segment_sorted":
             perm = jaxcsr.segment_order(ids, m)
+            ids, values = ids[perm], values[perm]
+        elif kind == "segment_shuffled":
+            perm = np.random.default_rng(0).permutation(ids.size)
             ids, values = ids[perm], values[perm]
         v = jnp.asarray(values, dtype)
         A = CSRMatrix.from_indices(ids, m)
@@ -196,7 +202,7 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--graphs", default="tolokers,musae_github,planetoid_pubmed")
-    p.add_argument("--kinds", default="segment,segment_sorted,spmm,spmm_T")
+    p.add_argument("--kinds", default="segment,segment_sorted,segment_shuffled,spmm,spmm_T")
     p.add_argument("--features", default="16,64,256")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=7)

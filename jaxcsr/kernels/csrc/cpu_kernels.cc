@@ -207,6 +207,29 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
                                   const typename In::Storage* x, typename Out::Storage* y,
                                   int64_t f, int64_t lo, int64_t hi, float* acc, uint64_t n,
                                   bool& bad) {
+  if (!cols && f == 1) {  // sorted segment ids, one feature: eight lanes per row
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t j0 = indptr[r], j1 = indptr[r + 1];
+      float lane[8];
+      for (int l = 0; l < 8; ++l) lane[l] = Op::init;
+      int64_t j = j0;
+      for (; j + 8 <= j1; j += 8)
+        for (int l = 0; l < 8; ++l)
+          lane[l] = Op::combine(lane[l], (data ? In::load(data[j + l]) : 1.0f) * In::load(x[j + l]));
+      for (int l = 0; j < j1; ++j, ++l)
+        lane[l] = Op::combine(lane[l], (data ? In::load(data[j]) : 1.0f) * In::load(x[j]));
+      float total;
+      if constexpr (std::is_same<Op, Sum>::value) {
+        total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+                ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+      } else {
+        total = lane[0];
+        for (int l = 1; l < 8; ++l) total = Op::combine(total, lane[l]);
+      }
+      store_row<Out>(y + r, &total, 1, j1 == j0);
+    }
+    return;
+  }
   constexpr int64_t kWidth = 32;
   float local[kWidth];
   float* a = f <= kWidth ? local : acc;
