@@ -203,7 +203,7 @@ def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--graphs", default="tolokers,musae_github,planetoid_pubmed")
     p.add_argument("--kinds", default="segment,segment_sorted,segment_shuffled,spmm,spmm_T")
-    p.add_argument("--features", default="16,64,256")
+    p.add_argument("--features", default="1,16,64")
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))

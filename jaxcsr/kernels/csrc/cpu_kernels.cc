@@ -339,7 +339,9 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
 }
 
 // The push product in P pieces of consecutive entries, P fixed by the sizes alone
-// (up to 8, at least 4 entries per row and piece, the partials within 256 MiB): each
+// (up to 4, at least 4 entries per row and piece, the partials within 8 MiB: their
+// fill and merge must stay small next to the entries' own work; measured on 2 cores
+// with tolokers and musae-github in random order, F = 1..64, 1-8 pieces): each
 // piece reduces its entries into its own (m, f) float32 partial in input order, then
 // the partials are combined in piece order, rows split over threads. Every row is
 // reduced in one order that depends on the sizes only: bit-identical for any number
@@ -351,9 +353,9 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
               int64_t entries, int64_t f) {
   const int64_t threads = thread_count(pool, max_threads);
-  const int64_t by_memory = (int64_t{256} << 20) / (4 * std::max<int64_t>(rows * f, 1));
+  const int64_t by_memory = (int64_t{8} << 20) / (4 * std::max<int64_t>(rows * f, 1));
   const int64_t pieces = std::max<int64_t>(
-      1, std::min<int64_t>({8, entries / std::max<int64_t>(4 * rows, 1), by_memory}));
+      1, std::min<int64_t>({4, entries / std::max<int64_t>(4 * rows, 1), by_memory}));
   // float32 sums with one piece accumulate in the output itself
   constexpr bool f32_sum = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
   const bool direct = f32_sum && pieces == 1;
