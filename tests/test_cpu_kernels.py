@@ -434,6 +434,58 @@ print("ok")
 """
 
 
+EXP_CHECK = r"""
+#include "cpu_kernels.cc"
+#include <cmath>
+#include <cstdio>
+// Every 61st float32 in [-110, 90] (all binades), plus the specials: the largest
+// error of exp8 in units in the last place of the float32 result (float64 exp is
+// the reference; below the smallest normal, absolute error in subnormal steps).
+int main() {
+  double worst = 0, worst_sub = 0;
+  int bad_special = 0;
+  for (float x = -110.0f; x < 90.0f;) {
+    const float got = exp8(splat(x))[0];
+    const double want = std::exp(static_cast<double>(x));
+    const float wantf = static_cast<float>(want);
+    if (std::isinf(wantf)) {
+      bad_special += !std::isinf(got);
+    } else if (want < 1.1754943508222875e-38) {
+      worst_sub = std::fmax(worst_sub, std::fabs(got - want) / 1.401298464324817e-45);
+    } else {
+      const double ulp = std::nextafter(wantf, 1e38f) - wantf;
+      worst = std::fmax(worst, std::fabs(got - want) / ulp);
+    }
+    for (int i = 0; i < 61; ++i) x = std::nextafter(x, 100.0f);
+  }
+  bad_special += exp8(splat(-INFINITY))[0] != 0.0f;
+  bad_special += !std::isinf(exp8(splat(INFINITY))[0]);
+  bad_special += !std::isnan(exp8(splat(NAN))[0]);
+  bad_special += exp8(splat(0.0f))[0] != 1.0f;
+  std::printf("%.6f %.6f %d\n", worst, worst_sub, bad_special);
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the check")
+def test_softmax_exp_is_within_one_ulp(tmp_path):
+    """The softmax kernel's own exp against float64 (compiled with setup.py's flags):
+    within 1 ulp on a sample of every binade, the smallest subnormals within 2 steps,
+    and exp(-inf) = 0, exp(inf) = inf, exp(NaN) = NaN, exp(0) = 1."""
+    source = Path(cpu.__file__).parent / "csrc"
+    (tmp_path / "check.cc").write_text(EXP_CHECK)
+    flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+    build = subprocess.run(
+        ["g++", *flags, "-w", f"-I{source}", f"-I{jax.ffi.include_dir()}",
+         str(tmp_path / "check.cc"), "-o", str(tmp_path / "check")],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert build.returncode == 0, build.stderr[-3000:]
+    run = subprocess.run([str(tmp_path / "check")], capture_output=True, text=True, timeout=120)
+    worst, worst_sub, bad_special = run.stdout.split()
+    assert float(worst) <= 1.0 and float(worst_sub) <= 2.0 and int(bad_special) == 0, run.stdout
+
+
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ for the sanitizer build")
 def test_sanitizer_build_finds_nothing(tmp_path, rng):
     """AddressSanitizer + UndefinedBehaviorSanitizer build of the kernels (the flags

@@ -207,7 +207,7 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
                                   const typename In::Storage* x, typename Out::Storage* y,
                                   int64_t f, int64_t lo, int64_t hi, float* acc, uint64_t n,
                                   bool& bad) {
-  if (!cols && f == 1) {  // sorted segment ids, one feature: eight lanes per row
+  if (!cols && f == 1) {  // sorted segment ids, one feature: eight lanes per row, vectorised
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t j0 = indptr[r], j1 = indptr[r + 1];
       float lane[8];
@@ -218,6 +218,32 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
           lane[l] = Op::combine(lane[l], (data ? In::load(data[j + l]) : 1.0f) * In::load(x[j + l]));
       for (int l = 0; j < j1; ++j, ++l)
         lane[l] = Op::combine(lane[l], (data ? In::load(data[j]) : 1.0f) * In::load(x[j]));
+      float total;
+      if constexpr (std::is_same<Op, Sum>::value) {
+        total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+                ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+      } else {
+        total = lane[0];
+        for (int l = 1; l < 8; ++l) total = Op::combine(total, lane[l]);
+      }
+      store_row<Out>(y + r, &total, 1, j1 == j0);
+    }
+    return;
+  }
+  if (f == 1) {  // one feature, columns gathered: eight independent chains per row
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t j0 = indptr[r], j1 = indptr[r + 1];
+      float lane[8];
+      for (int l = 0; l < 8; ++l) lane[l] = Op::init;
+      for (int64_t j = j0; j < j1; ++j) {
+        const int64_t col = cols[j];
+        if (static_cast<uint64_t>(col) >= n) {  // never read outside x
+          bad = true;
+          continue;
+        }
+        const float w = data ? In::load(data[j]) : 1.0f;
+        lane[(j - j0) & 7] = Op::combine(lane[(j - j0) & 7], w * In::load(x[col]));
+      }
       float total;
       if constexpr (std::is_same<Op, Sum>::value) {
         total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
