@@ -769,6 +769,31 @@ JAXCSR_INLINE f32x8 load8(const typename In::Storage* x, int64_t w, float pad) {
   return v;
 }
 
+// load8 where eight values are readable from x (a row's tail followed by more of the
+// same array, which no thread writes): one vector load, the lanes past w set to ``pad``
+// -- no lane-by-lane build, which stalls on store forwarding.
+template <typename In>
+JAXCSR_INLINE f32x8 load8_over(const typename In::Storage* x, int64_t w, float pad) {
+  if constexpr (std::is_same<In, F16>::value) {
+    return load8<In>(x, w, pad);
+  } else {
+    const f32x8 v = load8<In>(x, 8, pad);
+    if (w >= 8) return v;
+    const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    return lane < (i32x8{} + static_cast<int32_t>(w)) ? v : splat(pad);
+  }
+}
+
+// Block i of a row of len values, ``readable`` values readable from its start.
+// (A helper, not a lambda: a lambda is not always inlined, and a 32-byte vector
+// returned across the AVX2/baseline boundary changes the calling convention.)
+template <typename In>
+JAXCSR_INLINE f32x8 load8_row(const typename In::Storage* x, int64_t i, int64_t len,
+                              int64_t readable, float pad) {
+  return i + 8 <= readable ? load8_over<In>(x + i, len - i, pad)
+                           : load8<In>(x + i, len - i, pad);
+}
+
 JAXCSR_INLINE f32x8 load8f(const float* x, int64_t w) {
   if (w >= 8) {
     f32x8 v;
@@ -843,27 +868,39 @@ template <typename In, typename Out>
 JAXCSR_INLINE void softmax_row(const typename In::Storage* __restrict x,
                                typename Out::Storage* __restrict y, int64_t len, int64_t h,
                                float* __restrict peak, float* __restrict inv,
-                               float* __restrict buffer) {
+                               float* __restrict buffer, int64_t readable) {
   // exp(x - peak) is kept between the sum and the scaling (one exp per value, read
   // back from cache): in y itself for float32 outputs, else in ``buffer`` when the row
   // fits (kRowBuffer floats); longer rows of 16-bit outputs compute it again
-  constexpr bool kInY = std::is_same<Out, F32>::value;
-  const bool keep = kInY || len * h <= kRowBuffer;
-  float* kept = kInY ? reinterpret_cast<float*>(y) : buffer;
-  if (h == 1) {
+  // (rows that fit keep it in the private buffer, which is 8 floats longer: its reads
+  // may run past the row; longer rows of float32 keep it in y)
+  const bool in_buffer = len * h <= kRowBuffer;
+  const bool keep = in_buffer || std::is_same<Out, F32>::value;
+  float* kept = in_buffer ? buffer : reinterpret_cast<float*>(y);
+  if (h == 1) {  // ``readable``: values of x from the row's start (>= len)
     f32x8 top = splat(-__builtin_inff());
-    for (int64_t i = 0; i < len; i += 8) top = max8(top, load8<In>(x + i, len - i, -__builtin_inff()));
+    for (int64_t i = 0; i < len; i += 8)
+      top = max8(top, load8_row<In>(x, i, len, readable, -__builtin_inff()));
     const f32x8 shift = splat(finite_or_zero(lane_max(top)));
     f32x8 sum = splat(0.0f);
     for (int64_t i = 0; i < len; i += 8) {
-      const f32x8 e = exp8(load8<In>(x + i, len - i, -__builtin_inff()) - shift);
+      const f32x8 e = exp8(load8_row<In>(x, i, len, readable, -__builtin_inff()) - shift);
       sum += e;
-      if (keep) store8<F32>(kept + i, e, len - i);
+      if (in_buffer) {
+        std::memcpy(kept + i, &e, sizeof e);  // whole vectors: the buffer has room
+      } else if (keep) {
+        store8<F32>(kept + i, e, len - i);
+      }
     }
     const f32x8 scale = splat(1.0f / lane_sum(sum));
     for (int64_t i = 0; i < len; i += 8) {
-      const f32x8 e =
-          keep ? load8f(kept + i, len - i) : exp8(load8<In>(x + i, len - i, 0.0f) - shift);
+      f32x8 e;
+      if (in_buffer) {
+        std::memcpy(&e, kept + i, sizeof e);
+      } else {
+        e = keep ? load8f(kept + i, len - i)
+                 : exp8(load8_row<In>(x, i, len, readable, 0.0f) - shift);
+      }
       store8<Out>(y + i, e * scale, len - i);
     }
     return;
@@ -925,7 +962,7 @@ template <typename In, typename Out>
 JAXCSR_INLINE void softmax_sorted_body(const int32_t* indptr, const typename In::Storage* x,
                                        const typename In::Storage* g,
                                        typename Out::Storage* y, int64_t h, int64_t lo,
-                                       int64_t hi, float* scratch) {
+                                       int64_t hi, float* scratch, int64_t entries) {
   for (int64_t r = lo; r < hi; ++r) {
     const int64_t j0 = indptr[r], len = indptr[r + 1] - j0;
     if (len == 0) continue;
@@ -933,7 +970,7 @@ JAXCSR_INLINE void softmax_sorted_body(const int32_t* indptr, const typename In:
       tangent_row<In, Out>(x + j0 * h, g + j0 * h, y + j0 * h, len, h, scratch);
     } else {
       softmax_row<In, Out>(x + j0 * h, y + j0 * h, len, h, scratch, scratch + h,
-                           scratch + 2 * h);
+                           scratch + 2 * h, entries - j0);
     }
   }
 }
@@ -961,9 +998,9 @@ struct SoftmaxKernel {
         1, std::min<int64_t>(threads * 8, (indptr[m] * h + m) / 16384 + 1));
     const std::vector<int64_t> starts = row_chunks(indptr, m, chunks);
     parallel_chunks(pool, chunks, threads, [&](int64_t c) {
-      std::vector<float> scratch(2 * h + kRowBuffer);
+      std::vector<float> scratch(2 * h + kRowBuffer + 8);
       run_best<SoftmaxSorted<In, Out>>(indptr, x, g, y, h, starts[c], starts[c + 1],
-                                       scratch.data());
+                                       scratch.data(), entries);
     });
     return ffi::Error::Success();
   }
