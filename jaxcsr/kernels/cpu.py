@@ -2,20 +2,22 @@
 
 ``csrc/cpu_kernels.cc`` is compiled by ``pip install`` into a plain shared library
 (``_cpu_kernels*.so`` beside this module), loaded with ``ctypes`` and registered with
-``jax.ffi.register_ffi_target`` for the ``cpu`` platform. Two kernels split
-their rows over XLA's intra-op thread pool (rows whole, so every row is summed in
-one fixed order: bit-identical for any thread count), read 16-bit operands as they
-are and accumulate in float32; each takes ``reduce="sum"``, ``"max"`` or ``"min"``
-(empty rows 0, NaN propagates):
+``jax.ffi.register_ffi_target`` for the ``cpu`` platform. The products split their
+work over XLA's intra-op thread pool, read 16-bit operands as they are and accumulate
+in float32; each takes ``reduce="sum"``, ``"max"`` or ``"min"`` (empty rows 0, NaN
+propagates). Every row is reduced in one order fixed by the sizes, never by the
+thread count: results are bit-identical for any number of threads.
 
 ``pull``
     ``y[r] = sum_j data[j] * x[cols[j]]`` over row ``r``'s entries in CSR order:
     general matrices (and their planned transposes) and sorted segment ids (``cols``
     is the identity: ``x`` is read once, in order).
 ``push``
-    The one-per-column view of unsorted segment ids: each chunk of rows scans all
-    ids in input order and adds ``x[k]`` to its own rows, so ``x`` is streamed rather
-    than gathered at random (a pull through the sort permutation is latency-bound).
+    The one-per-column view of unsorted segment ids: up to 4 pieces of consecutive
+    ids (fixed by the sizes) each add ``x[k]`` to row ``ids[k]`` of their own float32
+    partial, combined in piece order; ``x`` is streamed rather than gathered at random
+    (a pull through the sort permutation is latency-bound), and no id is skipped (a
+    row owner skipping other rows' ids mispredicts a branch per id in random order).
 ``gather``
     One entry per row (the backward of a segment sum, ``y[i] = data_i * x[ids[i]]``):
     rows copied in their dtype, split over threads.

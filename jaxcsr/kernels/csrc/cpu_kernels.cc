@@ -1,16 +1,19 @@
 // jaxcsr's CPU kernels, called through XLA FFI (jaxcsr/kernels/cpu.py).
 //
-// Two products, both row-parallel over XLA's intra-op thread pool, rows whole, each
-// with a sum, max or min over a row's entries (Op; empty rows are 0):
+// Two products, each with a sum, max or min over a row's entries (Op; empty rows 0):
 //
 // * CsrPull: y[r] = op_{j in row r} data[j] * x[cols[j]], rows in CSR order
-//   (general matrices and their transposes, sorted segment ids). Each row is
-//   accumulated in float32 in CSR order, then stored once in the output dtype.
+//   (general matrices and their transposes, sorted segment ids), rows split over
+//   threads by nnz. Each row is accumulated in float32 in CSR order (one feature:
+//   in eight lanes, combined in a fixed tree), then stored once in the output dtype.
 // * RowPush: the one-per-column view (unsorted segment ids): entry k brings
-//   data[k] * x[k] to row ids[k]. Every chunk owns a range of rows and scans all
-//   ids, so x is read in input order and each row is reduced in input order.
+//   data[k] * x[k] to row ids[k], in up to 4 pieces of consecutive entries with
+//   private float32 partials, combined in piece order.
 //
-// Either way each output row is reduced in one fixed order, whatever the number of
+// Plus the sampled product (Sddmm), the one-entry-per-row gather (Gather) and the
+// softmax over rows sorted by row, with its backward (Softmax).
+//
+// Every output row is reduced in one order fixed by the sizes, whatever the number of
 // threads or chunks: results are bit-identical for any thread count. Ids outside
 // [0, rows) belong to no row (they are dropped, as jax.ops drops them).
 // Everything is checked in Python before the call; the checks here guard memory.
