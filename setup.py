@@ -49,6 +49,7 @@ setup(
         Extension(
             "jaxcsr.kernels._cpu_kernels",
             sources=["jaxcsr/kernels/csrc/cpu_kernels.cc"],
+            depends=["jaxcsr/kernels/csrc/vector_math.h"],
             language="c++",
             extra_compile_args=flags,
             extra_link_args=link,

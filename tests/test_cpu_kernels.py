@@ -424,6 +424,8 @@ for trial in range(4):
                         jaxcsr.sddmm(G, jnp.asarray(rng.standard_normal((m, f)), dtype), x),
                         jaxcsr.sddmm(A.T, v, jnp.asarray(rng.standard_normal((m, f)), dtype))):
                 jax.block_until_ready(out)
+            if dtype != (np.float32, jnp.bfloat16, np.float16)[trial % 3]:
+                continue  # the softmax on one dtype per trial (each jit is slow here)
             # the fused softmax and its backward: unsorted/sorted ids, CSR patterns
             for fn, s in ((lambda s: jaxcsr.segment_softmax(s, ids, int(m)), v),
                           (lambda s: jaxcsr.edge_softmax(G, s), jnp.asarray(
@@ -435,9 +437,10 @@ print("ok")
 
 
 EXP_CHECK = r"""
-#include "cpu_kernels.cc"
+#include "vector_math.h"
 #include <cmath>
 #include <cstdio>
+using namespace jaxcsr;
 // Every 61st float32 in [-110, 90] (all binades), plus the specials: the largest
 // error of exp8 in units in the last place of the float32 result (float64 exp is
 // the reference; below the smallest normal, absolute error in subnormal steps).
@@ -469,15 +472,16 @@ int main() {
 
 @pytest.mark.skipif(shutil.which("g++") is None, reason="no g++ to build the check")
 def test_softmax_exp_is_within_one_ulp(tmp_path):
-    """The softmax kernel's own exp against float64 (compiled with setup.py's flags):
+    """The softmax kernel's own exp (csrc/vector_math.h) against float64, compiled with
+    setup.py's flags:
     within 1 ulp on a sample of every binade, the smallest subnormals within 2 steps,
     and exp(-inf) = 0, exp(inf) = inf, exp(NaN) = NaN, exp(0) = 1."""
     source = Path(cpu.__file__).parent / "csrc"
     (tmp_path / "check.cc").write_text(EXP_CHECK)
     flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
     build = subprocess.run(
-        ["g++", *flags, "-w", f"-I{source}", f"-I{jax.ffi.include_dir()}",
-         str(tmp_path / "check.cc"), "-o", str(tmp_path / "check")],
+        ["g++", *flags, "-Wall", f"-I{source}", str(tmp_path / "check.cc"), "-o",
+         str(tmp_path / "check")],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr[-3000:]
