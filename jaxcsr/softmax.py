@@ -319,26 +319,25 @@ def _lowered(arrays, leaves, *, index_tree, impl, platform: str, composed) -> ja
 
 
 for _platform in PLATFORMS:
-    mlir.register_lowering(
-        softmax_p,
-        mlir.lower_fun(
-            lambda scores, *leaves, platform=_platform, **params: _lowered(
-                (scores,), leaves, platform=platform, composed=_forward_unbatched, **params
+    for _primitive, _arity, _composed in (
+        (softmax_p, 1, _forward_unbatched),
+        (softmax_tangent_p, 2, _tangent_composed),
+    ):
+        mlir.register_lowering(
+            _primitive,
+            mlir.lower_fun(
+                functools.partial(
+                    lambda *operands, arity, **params: _lowered(
+                        operands[:arity], operands[arity:], **params
+                    ),
+                    arity=_arity,
+                    platform=_platform,
+                    composed=_composed,
+                ),
+                multiple_results=False,
             ),
-            multiple_results=False,
-        ),
-        platform=_platform,
-    )
-    mlir.register_lowering(
-        softmax_tangent_p,
-        mlir.lower_fun(
-            lambda p, ds, *leaves, platform=_platform, **params: _lowered(
-                (p, ds), leaves, platform=platform, composed=_tangent_composed, **params
-            ),
-            multiple_results=False,
-        ),
-        platform=_platform,
-    )
+            platform=_platform,
+        )
 
 
 def _fold_heads(v: jax.Array, bd: int | None, size: int) -> jax.Array:

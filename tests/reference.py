@@ -145,6 +145,12 @@ def reduce_reference(A, x: np.ndarray, reduce: str) -> tuple[np.ndarray, np.ndar
     return out, arg
 
 
+def entry_rows(A) -> np.ndarray:
+    """The row of every stored entry of ``A`` (a CSRMatrix), in its CSR order."""
+    mat = A.to_scipy().tocsr()
+    return np.repeat(np.arange(mat.shape[0]), np.diff(mat.indptr))
+
+
 def softmax_reference(scores, rows: np.ndarray, m: int) -> np.ndarray:
     """Float64 max-shifted softmax of ``scores`` (``(k, ...)``) within each row id;
     entries whose id is outside ``[0, m)`` belong to no row and get 0 (dropped)."""

@@ -9,6 +9,7 @@ import pytest
 from jax.test_util import check_grads
 from reference import (
     assert_close,
+    entry_rows,
     power_law_ids,
     random_csr,
     softmax_grad_reference,
@@ -18,12 +19,6 @@ from reference import (
 import jaxcsr
 from jaxcsr import CSRMatrix
 from jaxcsr import softmax as softmax_module
-
-
-def _rows(A: CSRMatrix) -> np.ndarray:
-    mat = A.to_scipy().tocsr()
-    return np.repeat(np.arange(mat.shape[0]), np.diff(mat.indptr))
-
 
 # The platform's default (on CPU the native fused kernel, when built) and the XLA
 # composition (unshifted fast path + exact branch): every value test runs both.
@@ -54,7 +49,7 @@ def test_values_on_every_structure_kind(rng, heads, backends):
         s = _scores(rng, A.nnz, heads)
         out = jax.jit(jaxcsr.edge_softmax)(A, s)
         assert out.shape == s.shape and out.dtype == jnp.float32
-        assert_close(out, softmax_reference(s, _rows(A), A.shape[0]), np.float32)
+        assert_close(out, softmax_reference(s, entry_rows(A), A.shape[0]), np.float32)
 
 
 @PATHS
@@ -64,7 +59,7 @@ def test_values_on_every_structure_kind(rng, heads, backends):
 def test_fast_and_exact_paths_agree_with_float64(rng, case, backends):
     """Scores that make the unshifted sums overflow or underflow take the exact path."""
     A = CSRMatrix.from_scipy(random_csr(rng, 29, 31, "power_law"), backends=backends)
-    rows = _rows(A)
+    rows = entry_rows(A)
     s = _scores(rng, A.nnz, 3)
     hub = np.bincount(rows).argmax()
     in_hub = rows == hub
@@ -136,7 +131,7 @@ def test_rows_peaking_near_exp_limit(rng, dtype, backends):
     A = CSRMatrix.from_coo(
         np.array([0, 0, 0, 1, 1]), np.array([0, 1, 2, 0, 2]), shape=(2, 3), backends=backends
     )
-    rows = _rows(A)
+    rows = entry_rows(A)
     f = jax.jit(jaxcsr.edge_softmax)
     g = rng.standard_normal((A.nnz, 2)).astype(np.float32)
     grad = jax.jit(jax.grad(lambda s: jnp.sum(jaxcsr.edge_softmax(A, s) * g)))
@@ -237,7 +232,7 @@ def test_eager_calls_compile_once(rng):
 @pytest.mark.parametrize("heads", [None, 3])
 def test_gradients_against_float64_and_finite_differences(rng, heads, backends):
     A = CSRMatrix.from_scipy(random_csr(rng, 23, 19, "power_law"), backends=backends)
-    rows, m = _rows(A), A.shape[0]
+    rows, m = entry_rows(A), A.shape[0]
     s = _scores(rng, A.nnz, heads, spread=1.0)
     g = rng.standard_normal(s.shape).astype(np.float32)
     grad = jax.jit(jax.grad(lambda s: jnp.sum(jaxcsr.edge_softmax(A, s) * g)))(s)
@@ -257,7 +252,7 @@ def test_gradients_against_float64_and_finite_differences(rng, heads, backends):
 @PATHS
 def test_gradient_on_the_exact_path(rng, backends):
     A = CSRMatrix.from_scipy(random_csr(rng, 19, 17, "power_law"), backends=backends)
-    rows, m = _rows(A), A.shape[0]
+    rows, m = entry_rows(A), A.shape[0]
     s = _scores(rng, A.nnz, 2) + 150.0  # exp overflows: the exact branch runs
     g = rng.standard_normal(s.shape).astype(np.float32)
     grad = jax.grad(lambda s: jnp.sum(jaxcsr.edge_softmax(A, s) * g))(s)
@@ -272,7 +267,7 @@ def test_16_bit_scores(rng, dtype, backends):
     s = jnp.asarray(_scores(rng, A.nnz, 2), dtype)
     out = jaxcsr.edge_softmax(A, s)
     assert out.dtype == dtype
-    assert_close(out, softmax_reference(s, _rows(A), A.shape[0]), dtype)
+    assert_close(out, softmax_reference(s, entry_rows(A), A.shape[0]), dtype)
 
 
 @pytest.mark.parametrize("impl", [None, "xla"])
@@ -302,15 +297,15 @@ def test_jit_vmap_and_one_compile_per_shape(rng, backends):
         CSRMatrix.from_coo(r, rng.integers(0, n, nnz), shape=(m, n), backends=backends)
         for r in (hub, spread)
     ]
-    assert np.bincount(_rows(mats[0])).max() >= 45 > np.bincount(_rows(mats[1])).max()
+    assert np.bincount(entry_rows(mats[0])).max() >= 45 > np.bincount(entry_rows(mats[1])).max()
     f = jax.jit(lambda A, s: jaxcsr.edge_softmax(A, s))  # a fresh cache
     for A in mats:
         s = _scores(rng, nnz, 2)
-        assert_close(f(A, s), softmax_reference(s, _rows(A), m), np.float32)
+        assert_close(f(A, s), softmax_reference(s, entry_rows(A), m), np.float32)
     assert f._cache_size() == 1
     batch = np.stack([_scores(rng, nnz, None) for _ in range(4)])
     out = jax.vmap(jaxcsr.edge_softmax, in_axes=(None, 0))(mats[0], batch)
-    rows = _rows(mats[0])
+    rows = entry_rows(mats[0])
     g = rng.standard_normal(batch.shape).astype(np.float32)
     grads = jax.jit(jax.vmap(jax.grad(lambda s, g: jnp.sum(jaxcsr.edge_softmax(mats[0], s) * g))))(
         batch, g

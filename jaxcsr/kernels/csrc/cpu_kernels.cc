@@ -133,6 +133,20 @@ struct Min {
   }
 };
 
+// Eight lanes of partial results combined in one fixed order: a sum as a tree (the
+// order of a vector register's halves), max/min left to right.
+template <typename Op>
+JAXCSR_INLINE float fold_lanes(const float* lane) {
+  if constexpr (std::is_same<Op, Sum>::value) {
+    return ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
+           ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+  } else {
+    float total = lane[0];
+    for (int l = 1; l < 8; ++l) total = Op::combine(total, lane[l]);
+    return total;
+  }
+}
+
 // acc[0:f] = combine(acc, w * x[0:f]) (x converted to float32): the inner loop,
 // inlined into the row loops below, which are compiled twice (AVX2 and baseline).
 template <typename In, typename Op>
@@ -225,14 +239,7 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
           lane[l] = Op::combine(lane[l], (data ? In::load(data[j + l]) : 1.0f) * In::load(x[j + l]));
       for (int l = 0; j < j1; ++j, ++l)
         lane[l] = Op::combine(lane[l], (data ? In::load(data[j]) : 1.0f) * In::load(x[j]));
-      float total;
-      if constexpr (std::is_same<Op, Sum>::value) {
-        total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
-                ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-      } else {
-        total = lane[0];
-        for (int l = 1; l < 8; ++l) total = Op::combine(total, lane[l]);
-      }
+      const float total = fold_lanes<Op>(lane);
       store_row<Out>(y + r, &total, 1, j1 == j0);
     }
     return;
@@ -251,14 +258,7 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
         const float w = data ? In::load(data[j]) : 1.0f;
         lane[(j - j0) & 7] = Op::combine(lane[(j - j0) & 7], w * In::load(x[col]));
       }
-      float total;
-      if constexpr (std::is_same<Op, Sum>::value) {
-        total = ((lane[0] + lane[1]) + (lane[2] + lane[3])) +
-                ((lane[4] + lane[5]) + (lane[6] + lane[7]));
-      } else {
-        total = lane[0];
-        for (int l = 1; l < 8; ++l) total = Op::combine(total, lane[l]);
-      }
+      const float total = fold_lanes<Op>(lane);
       store_row<Out>(y + r, &total, 1, j1 == j0);
     }
     return;
@@ -544,7 +544,7 @@ JAXCSR_INLINE float dot(const typename In::Storage* __restrict a,
   for (; i + 8 <= f; i += 8)
     for (int64_t l = 0; l < 8; ++l) part[l] += In::load(a[i + l]) * In::load(b[i + l]);
   for (int64_t l = 0; i < f; ++i, ++l) part[l] += In::load(a[i]) * In::load(b[i]);
-  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+  return fold_lanes<Sum>(part);
 }
 
 template <typename In, typename Out>
@@ -812,14 +812,11 @@ JAXCSR_INLINE void max_into(float* peak, const typename In::Storage* x, int64_t 
   }
 }
 
-JAXCSR_INLINE float lane_sum(f32x8 v) {
-  return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]));
-}
-
-JAXCSR_INLINE float lane_max(f32x8 v) {
-  float top = v[0];
-  for (int l = 1; l < 8; ++l) top = Max::combine(top, v[l]);
-  return top;
+template <typename Op>
+JAXCSR_INLINE float fold_vector(f32x8 v) {
+  float lane[8];
+  std::memcpy(lane, &v, sizeof lane);
+  return fold_lanes<Op>(lane);
 }
 
 constexpr int64_t kRowBuffer = 8192;  // floats of exp(x - peak) kept per row (32 KiB)
@@ -850,7 +847,7 @@ JAXCSR_INLINE void softmax_row(const typename In::Storage* __restrict x,
     f32x8 top = splat(-__builtin_inff());
     for (int64_t i = 0; i < len; i += 8)
       top = max8(top, load8_row<In>(x, i, len, readable, -__builtin_inff()));
-    const f32x8 shift = splat(finite_or_zero(lane_max(top)));
+    const f32x8 shift = splat(finite_or_zero(fold_vector<Max>(top)));
     f32x8 sum = splat(0.0f);
     for (int64_t i = 0; i < len; i += 8) {
       const f32x8 e = exp8(load8_row<In>(x, i, len, readable, -__builtin_inff()) - shift);
@@ -861,7 +858,7 @@ JAXCSR_INLINE void softmax_row(const typename In::Storage* __restrict x,
         store8<F32>(kept + i, e, len - i);
       }
     }
-    const f32x8 scale = splat(1.0f / lane_sum(sum));
+    const f32x8 scale = splat(1.0f / fold_vector<Sum>(sum));
     for (int64_t i = 0; i < len; i += 8) {
       f32x8 e;
       if (in_buffer) {
@@ -907,8 +904,7 @@ JAXCSR_INLINE void tangent_row(const typename In::Storage* __restrict p,
     for (; i + 8 <= len; i += 8)
       for (int l = 0; l < 8; ++l) lane[l] += In::load(p[i + l]) * In::load(g[i + l]);
     for (int l = 0; i < len; ++i, ++l) lane[l] += In::load(p[i]) * In::load(g[i]);
-    const float dot =
-        ((lane[0] + lane[1]) + (lane[2] + lane[3])) + ((lane[4] + lane[5]) + (lane[6] + lane[7]));
+    const float dot = fold_lanes<Sum>(lane);
     for (i = 0; i < len; ++i) {
       const float pi = In::load(p[i]);
       y[i] = Out::store(pi * In::load(g[i]) - pi * dot);
