@@ -76,16 +76,16 @@ KINDS += ["empty_rows", "duplicates"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_matches_float64(rng, kind):
-    """Sum, max and min of both views, three dtypes, one feature, widths in the
-    register path (<= 32) and past it, against float64 (max/min: reduce_reference, ties
-    and NaN included)."""
+    """Sum, max and min of both views, three dtypes, one feature, the whole-vector
+    widths (16, 64: 8 * V features) and others below and past 32, against float64
+    (max/min: reduce_reference, ties and NaN included)."""
     A, _ = _matrix(rng, kind)
     assert "native" in str(A.plan_info())
     reduces = ("sum", "max", "min")
     fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
     for B in (A, A.T):
         for dtype in DTYPES:
-            for f in (1, 5, 40):  # one feature (eight lanes a row); not vector multiples
+            for f in (1, 5, 16, 40, 64):
                 x = random_values(rng, (B.shape[1], f)).astype(dtype)
                 if B.dtype is not None:  # the reference reads the values as rounded
                     B = B.with_data(B.data.astype(dtype))
@@ -177,8 +177,8 @@ def test_traced_ids_drop_what_jax_ops_drops(rng, sorted_ids):
 def test_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
     A, _ = _matrix(rng, kind)
     for dtype in (np.float32, jnp.bfloat16):
-        for B in (A, A.T) if kind == "general" else (A,):
-            x = random_values(rng, (B.shape[1], 33)).astype(dtype)
+        for B, f in ((A, 33), (A, 16), (A.T, 64)) if kind == "general" else ((A, 33), (A, 16)):
+            x = random_values(rng, (B.shape[1], f)).astype(dtype)
             every = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu"))
             with cpu.threads(1):
                 one = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu"))

@@ -218,7 +218,143 @@ std::vector<int64_t> row_chunks(const int32_t* indptr, int64_t rows, int64_t chu
   return starts;
 }
 
+// ------------------------------------------------------------------ eight lanes
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+
+// Up to eight values from x[0:w] in float32, the rest ``pad``. Whole blocks of float32
+// and bfloat16 load as vectors.
+template <typename In>
+JAXCSR_INLINE f32x8 load8(const typename In::Storage* x, int64_t w, float pad) {
+  if (w >= 8) {
+    if constexpr (std::is_same<In, F32>::value) {
+      f32x8 v;
+      std::memcpy(&v, x, sizeof v);
+      return v;
+    } else if constexpr (std::is_same<In, BF16>::value) {
+      u16x8 h;
+      std::memcpy(&h, x, sizeof h);
+      return reinterpret_cast<f32x8>(__builtin_convertvector(h, u32x8) << 16);
+    }
+  }
+  f32x8 v = splat(pad);
+  for (int l = 0; l < (w < 8 ? w : 8); ++l) v[l] = In::load(x[l]);
+  return v;
+}
+
+// load8 where eight values are readable from x (a row's tail followed by more of the
+// same array, which no thread writes): one vector load, the lanes past w set to ``pad``
+// -- no lane-by-lane build, which stalls on store forwarding.
+template <typename In>
+JAXCSR_INLINE f32x8 load8_over(const typename In::Storage* x, int64_t w, float pad) {
+  if constexpr (std::is_same<In, F16>::value) {
+    return load8<In>(x, w, pad);
+  } else {
+    const f32x8 v = load8<In>(x, 8, pad);
+    if (w >= 8) return v;
+    const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    return lane < (i32x8{} + static_cast<int32_t>(w)) ? v : splat(pad);
+  }
+}
+
+// Block i of a row of len values, ``readable`` values readable from its start.
+// (A helper, not a lambda: a lambda is not always inlined, and a 32-byte vector
+// returned across the AVX2/baseline boundary changes the calling convention.)
+template <typename In>
+JAXCSR_INLINE f32x8 load8_row(const typename In::Storage* x, int64_t i, int64_t len,
+                              int64_t readable, float pad) {
+  return i + 8 <= readable ? load8_over<In>(x + i, len - i, pad)
+                           : load8<In>(x + i, len - i, pad);
+}
+
+JAXCSR_INLINE f32x8 load8f(const float* x, int64_t w) {
+  if (w >= 8) {
+    f32x8 v;
+    std::memcpy(&v, x, sizeof v);
+    return v;
+  }
+  f32x8 v = splat(0.0f);
+  for (int l = 0; l < w; ++l) v[l] = x[l];
+  return v;
+}
+
+// y[0:min(w, 8)] = v in the output dtype (bfloat16: round to nearest even, as
+// f32_to_bf16, eight at a time).
+template <typename Out>
+JAXCSR_INLINE void store8(typename Out::Storage* y, f32x8 v, int64_t w) {
+  if (w >= 8) {
+    if constexpr (std::is_same<Out, F32>::value) {
+      std::memcpy(y, &v, sizeof v);
+      return;
+    } else if constexpr (std::is_same<Out, BF16>::value) {
+      const u32x8 bits = reinterpret_cast<u32x8>(v);
+      const u32x8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+      const u32x8 nan = (bits >> 16) | 0x40u;
+      const u16x8 h = __builtin_convertvector(
+          (bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded, u16x8);
+      std::memcpy(y, &h, sizeof h);
+      return;
+    }
+  }
+  for (int l = 0; l < (w < 8 ? w : 8); ++l) y[l] = Out::store(v[l]);
+}
+
+JAXCSR_INLINE f32x8 max8(f32x8 acc, f32x8 v) {  // NaN propagates, as Max::combine
+  return (v > acc) | (v != v) ? v : acc;
+}
+
+JAXCSR_INLINE f32x8 min8(f32x8 acc, f32x8 v) {  // NaN propagates, as Min::combine
+  return (v < acc) | (v != v) ? v : acc;
+}
+
+// Op::combine on eight lanes (the same result in each lane as the scalar one).
+template <typename Op>
+JAXCSR_INLINE f32x8 combine8(f32x8 acc, f32x8 v) {
+  if constexpr (std::is_same<Op, Sum>::value) {
+    return acc + v;
+  } else if constexpr (std::is_same<Op, Max>::value) {
+    return max8(acc, v);
+  } else {
+    return min8(acc, v);
+  }
+}
+
+template <typename Op>
+JAXCSR_INLINE float fold_vector(f32x8 v) {
+  float lane[8];
+  std::memcpy(lane, &v, sizeof lane);
+  return fold_lanes<Op>(lane);
+}
+
 // ------------------------------------------------------------------ kernels
+// Rows [lo, hi) of the pull product for f = 8 * V features (float32 or bfloat16
+// operands): the row's V accumulators are vector registers, no loop over features.
+// Same order per feature as the general loop below: the same bits.
+template <typename In, typename Out, typename Op, int V>
+JAXCSR_INLINE void pull_rows_vectors(const int32_t* indptr, const int32_t* cols,
+                                     const typename In::Storage* data,
+                                     const typename In::Storage* x, typename Out::Storage* y,
+                                     int64_t lo, int64_t hi, uint64_t n, bool& bad) {
+  constexpr int64_t f = 8 * V;
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t j0 = indptr[r], j1 = indptr[r + 1];
+    f32x8 a[V];
+    for (int v = 0; v < V; ++v) a[v] = splat(Op::init);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t col = cols ? cols[j] : j;
+      if (static_cast<uint64_t>(col) >= n) {  // never read outside x
+        bad = true;
+        continue;
+      }
+      if (cols && j + 8 < j1) __builtin_prefetch(x + static_cast<int64_t>(cols[j + 8]) * f);
+      const f32x8 w = splat(data ? In::load(data[j]) : 1.0f);
+      for (int v = 0; v < V; ++v)
+        a[v] = combine8<Op>(a[v], w * load8<In>(x + col * f + 8 * v, 8, 0.0f));
+    }
+    for (int v = 0; v < V; ++v) store8<Out>(y + r * f + 8 * v, j1 == j0 ? splat(0.0f) : a[v], 8);
+  }
+}
+
 // Rows [lo, hi) of the pull product. Up to 32 features a row's accumulators stay in
 // registers; wider rows accumulate in ``acc`` (f floats, in L1). One pass over each
 // row's entries either way.
@@ -263,6 +399,15 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
     }
     return;
   }
+  if constexpr (!std::is_same<In, F16>::value) {
+    switch (f) {
+      case 8: return pull_rows_vectors<In, Out, Op, 1>(indptr, cols, data, x, y, lo, hi, n, bad);
+      case 16: return pull_rows_vectors<In, Out, Op, 2>(indptr, cols, data, x, y, lo, hi, n, bad);
+      case 32: return pull_rows_vectors<In, Out, Op, 4>(indptr, cols, data, x, y, lo, hi, n, bad);
+      case 64: return pull_rows_vectors<In, Out, Op, 8>(indptr, cols, data, x, y, lo, hi, n, bad);
+      default: break;
+    }
+  }
   constexpr int64_t kWidth = 32;
   float local[kWidth];
   float* a = f <= kWidth ? local : acc;
@@ -289,18 +434,30 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
 
 // Entries [k0, k1) of the push product into ``acc`` (all m rows, from Op::init): each
 // entry's row is read, no branch per entry, so ids in any order cost the same. Ids
-// outside [0, m) are dropped.
-template <typename In, typename Out, typename Op>
+// outside [0, m) are dropped. V > 0: f = 8 * V, float32 or bfloat16 operands.
+template <typename In, typename Out, typename Op, int V>
 JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage* data,
                                   const typename In::Storage* x, float* acc, int64_t m,
                                   int64_t f, int64_t k0, int64_t k1) {
   std::fill(acc, acc + m * f, Op::init);
+  constexpr int64_t kAhead = 16;
   for (int64_t k = k0; k < k1; ++k) {
+    if (f > 1 && k + kAhead < k1) {
+      const uint64_t ahead = static_cast<uint32_t>(ids[k + kAhead]);
+      __builtin_prefetch(acc + (ahead < static_cast<uint64_t>(m) ? ahead : 0) * f, 1);
+    }
     const int64_t r = ids[k];
     if (static_cast<uint64_t>(r) >= static_cast<uint64_t>(m)) continue;
     const float w = data ? In::load(data[k]) : 1.0f;
     if (f == 1) {
       acc[r] = Op::combine(acc[r], w * In::load(x[k]));
+    } else if (V > 0) {  // f = 8 * V: whole vectors, no loop over features
+      for (int v = 0; v < V; ++v) {
+        f32x8 a;
+        std::memcpy(&a, acc + r * f + 8 * v, sizeof a);
+        a = combine8<Op>(a, splat(w) * load8<In>(x + k * f + 8 * v, 8, 0.0f));
+        std::memcpy(acc + r * f + 8 * v, &a, sizeof a);
+      }
     } else {
       accumulate<In, Op>(acc + r * f, x + k * f, w, f);
     }
@@ -343,9 +500,19 @@ struct PullRows {
 
 template <typename In, typename Out, typename Op>
 struct PushRows {
-  template <typename... Args>
-  JAXCSR_INLINE static void run(Args&&... args) {
-    push_rows_body<In, Out, Op>(std::forward<Args>(args)...);
+  JAXCSR_INLINE static void run(const int32_t* ids, const typename In::Storage* data,
+                                const typename In::Storage* x, float* acc, int64_t m,
+                                int64_t f, int64_t k0, int64_t k1) {
+    if constexpr (!std::is_same<In, F16>::value) {
+      switch (f) {
+        case 8: return push_rows_body<In, Out, Op, 1>(ids, data, x, acc, m, f, k0, k1);
+        case 16: return push_rows_body<In, Out, Op, 2>(ids, data, x, acc, m, f, k0, k1);
+        case 32: return push_rows_body<In, Out, Op, 4>(ids, data, x, acc, m, f, k0, k1);
+        case 64: return push_rows_body<In, Out, Op, 8>(ids, data, x, acc, m, f, k0, k1);
+        default: break;
+      }
+    }
+    push_rows_body<In, Out, Op, 0>(ids, data, x, acc, m, f, k0, k1);
   }
 };
 
@@ -387,8 +554,8 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               int64_t entries, int64_t f) {
   const int64_t threads = thread_count(pool, max_threads);
   const int64_t by_memory = (int64_t{8} << 20) / (4 * std::max<int64_t>(rows * f, 1));
-  const int64_t pieces = std::max<int64_t>(
-      1, std::min<int64_t>({4, entries / std::max<int64_t>(4 * rows, 1), by_memory}));
+  const int64_t most = std::min<int64_t>({4, entries / std::max<int64_t>(4 * rows, 1), by_memory});
+  const int64_t pieces = most >= 4 ? 4 : most >= 2 ? 2 : 1;  // 3 would leave a thread idle
   // float32 sums with one piece accumulate in the output itself
   constexpr bool f32_sum = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
   const bool direct = f32_sum && pieces == 1;
@@ -715,110 +882,6 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::Any
 }
 
 // ------------------------------------------------------------------ softmax
-typedef uint16_t u16x8 __attribute__((vector_size(16)));
-typedef uint32_t u32x8 __attribute__((vector_size(32)));
-
-// Up to eight values from x[0:w] in float32, the rest ``pad``. Whole blocks of float32
-// and bfloat16 load as vectors.
-template <typename In>
-JAXCSR_INLINE f32x8 load8(const typename In::Storage* x, int64_t w, float pad) {
-  if (w >= 8) {
-    if constexpr (std::is_same<In, F32>::value) {
-      f32x8 v;
-      std::memcpy(&v, x, sizeof v);
-      return v;
-    } else if constexpr (std::is_same<In, BF16>::value) {
-      u16x8 h;
-      std::memcpy(&h, x, sizeof h);
-      return reinterpret_cast<f32x8>(__builtin_convertvector(h, u32x8) << 16);
-    }
-  }
-  f32x8 v = splat(pad);
-  for (int l = 0; l < (w < 8 ? w : 8); ++l) v[l] = In::load(x[l]);
-  return v;
-}
-
-// load8 where eight values are readable from x (a row's tail followed by more of the
-// same array, which no thread writes): one vector load, the lanes past w set to ``pad``
-// -- no lane-by-lane build, which stalls on store forwarding.
-template <typename In>
-JAXCSR_INLINE f32x8 load8_over(const typename In::Storage* x, int64_t w, float pad) {
-  if constexpr (std::is_same<In, F16>::value) {
-    return load8<In>(x, w, pad);
-  } else {
-    const f32x8 v = load8<In>(x, 8, pad);
-    if (w >= 8) return v;
-    const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-    return lane < (i32x8{} + static_cast<int32_t>(w)) ? v : splat(pad);
-  }
-}
-
-// Block i of a row of len values, ``readable`` values readable from its start.
-// (A helper, not a lambda: a lambda is not always inlined, and a 32-byte vector
-// returned across the AVX2/baseline boundary changes the calling convention.)
-template <typename In>
-JAXCSR_INLINE f32x8 load8_row(const typename In::Storage* x, int64_t i, int64_t len,
-                              int64_t readable, float pad) {
-  return i + 8 <= readable ? load8_over<In>(x + i, len - i, pad)
-                           : load8<In>(x + i, len - i, pad);
-}
-
-JAXCSR_INLINE f32x8 load8f(const float* x, int64_t w) {
-  if (w >= 8) {
-    f32x8 v;
-    std::memcpy(&v, x, sizeof v);
-    return v;
-  }
-  f32x8 v = splat(0.0f);
-  for (int l = 0; l < w; ++l) v[l] = x[l];
-  return v;
-}
-
-// y[0:min(w, 8)] = v in the output dtype (bfloat16: round to nearest even, as
-// f32_to_bf16, eight at a time).
-template <typename Out>
-JAXCSR_INLINE void store8(typename Out::Storage* y, f32x8 v, int64_t w) {
-  if (w >= 8) {
-    if constexpr (std::is_same<Out, F32>::value) {
-      std::memcpy(y, &v, sizeof v);
-      return;
-    } else if constexpr (std::is_same<Out, BF16>::value) {
-      const u32x8 bits = reinterpret_cast<u32x8>(v);
-      const u32x8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-      const u32x8 nan = (bits >> 16) | 0x40u;
-      const u16x8 h = __builtin_convertvector(
-          (bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded, u16x8);
-      std::memcpy(y, &h, sizeof h);
-      return;
-    }
-  }
-  for (int l = 0; l < (w < 8 ? w : 8); ++l) y[l] = Out::store(v[l]);
-}
-
-JAXCSR_INLINE f32x8 max8(f32x8 acc, f32x8 v) {  // NaN propagates, as Max::combine
-  return (v > acc) | (v != v) ? v : acc;
-}
-
-// peak[0:h] = max(peak, x[0:h]), eight at a time.
-template <typename In>
-JAXCSR_INLINE void max_into(float* peak, const typename In::Storage* x, int64_t h) {
-  if (h < 8) {  // a partial vector would go through memory
-    for (int64_t c = 0; c < h; ++c) peak[c] = Max::combine(peak[c], In::load(x[c]));
-    return;
-  }
-  for (int64_t c = 0; c < h; c += 8) {
-    const f32x8 top = max8(load8f(peak + c, h - c), load8<In>(x + c, h - c, -__builtin_inff()));
-    for (int l = 0; l < (h - c < 8 ? h - c : 8); ++l) peak[c + l] = top[l];
-  }
-}
-
-template <typename Op>
-JAXCSR_INLINE float fold_vector(f32x8 v) {
-  float lane[8];
-  std::memcpy(lane, &v, sizeof lane);
-  return fold_lanes<Op>(lane);
-}
-
 constexpr int64_t kRowBuffer = 8192;  // floats of exp(x - peak) kept per row (32 KiB)
 
 // The shift of a row's softmax: its max where finite, else 0 (rows of -inf give
@@ -829,11 +892,10 @@ JAXCSR_INLINE float finite_or_zero(float peak) { return peak - peak == 0.0f ? pe
 // Over a row stored contiguously (``len`` entries of h heads): the softmax of each
 // head, out = exp(x - peak) * (1 / sum exp(x - peak)). One head reduces the row in eight
 // lanes (fixed order: vectorised, and the same bits for any thread count); several
-// heads run eight heads at a time per entry, with a row of h floats per statistic.
+// heads run in blocks of eight heads.
 template <typename In, typename Out>
 JAXCSR_INLINE void softmax_row(const typename In::Storage* __restrict x,
                                typename Out::Storage* __restrict y, int64_t len, int64_t h,
-                               float* __restrict peak, float* __restrict inv,
                                float* __restrict buffer, int64_t readable) {
   // exp(x - peak) is kept between the sum and the scaling (one exp per value, read
   // back from cache): in y itself for float32 outputs, else in ``buffer`` when the row
@@ -871,26 +933,34 @@ JAXCSR_INLINE void softmax_row(const typename In::Storage* __restrict x,
     }
     return;
   }
-  for (int64_t c = 0; c < h; ++c) peak[c] = -__builtin_inff();
-  for (int64_t j = 0; j < len; ++j) max_into<In>(peak, x + j * h, h);
-  for (int64_t c = 0; c < h; ++c) {
-    peak[c] = finite_or_zero(peak[c]);
-    inv[c] = 0.0f;
+  // Several heads: eight heads at a time, each block's max, sum and scaling over the
+  // whole row before the next block (statistics in registers; the block's column of
+  // the row, len x 8 values, stays in L1 between the passes).
+  const bool block_kept = len * 8 <= kRowBuffer;
+  for (int64_t c = 0; c < h; c += 8) {
+    const int64_t w = h - c;
+    f32x8 top = splat(-__builtin_inff());
+    for (int64_t j = 0; j < len; ++j)
+      top = max8(top, load8<In>(x + j * h + c, w, -__builtin_inff()));
+    f32x8 shift;
+    for (int l = 0; l < 8; ++l) shift[l] = finite_or_zero(top[l]);
+    f32x8 sum = splat(0.0f);
+    for (int64_t j = 0; j < len; ++j) {
+      const f32x8 e = exp8(load8<In>(x + j * h + c, w, 0.0f) - shift);
+      sum += e;
+      if (block_kept) std::memcpy(buffer + j * 8, &e, sizeof e);
+    }
+    const f32x8 scale = splat(1.0f) / sum;
+    for (int64_t j = 0; j < len; ++j) {
+      f32x8 e;
+      if (block_kept) {
+        std::memcpy(&e, buffer + j * 8, sizeof e);
+      } else {
+        e = exp8(load8<In>(x + j * h + c, w, 0.0f) - shift);
+      }
+      store8<Out>(y + j * h + c, e * scale, w);
+    }
   }
-  for (int64_t j = 0; j < len; ++j)
-    for (int64_t c = 0; c < h; c += 8) {
-      const f32x8 e = exp8(load8<In>(x + j * h + c, h - c, 0.0f) - load8f(peak + c, h - c));
-      store8<F32>(inv + c, load8f(inv + c, h - c) + e, h - c);
-      if (keep) store8<F32>(kept + j * h + c, e, h - c);
-    }
-  for (int64_t c = 0; c < h; ++c) inv[c] = 1.0f / inv[c];
-  for (int64_t j = 0; j < len; ++j)
-    for (int64_t c = 0; c < h; c += 8) {
-      const f32x8 e =
-          keep ? load8f(kept + j * h + c, h - c)
-               : exp8(load8<In>(x + j * h + c, h - c, 0.0f) - load8f(peak + c, h - c));
-      store8<Out>(y + j * h + c, e * load8f(inv + c, h - c), h - c);
-    }
 }
 
 template <typename In, typename Out>
@@ -934,8 +1004,7 @@ JAXCSR_INLINE void softmax_sorted_body(const int32_t* indptr, const typename In:
     if (g) {
       tangent_row<In, Out>(x + j0 * h, g + j0 * h, y + j0 * h, len, h, scratch);
     } else {
-      softmax_row<In, Out>(x + j0 * h, y + j0 * h, len, h, scratch, scratch + h,
-                           scratch + 2 * h, entries - j0);
+      softmax_row<In, Out>(x + j0 * h, y + j0 * h, len, h, scratch, entries - j0);
     }
   }
 }
@@ -963,7 +1032,7 @@ struct SoftmaxKernel {
         1, std::min<int64_t>(threads * 8, (indptr[m] * h + m) / 16384 + 1));
     const std::vector<int64_t> starts = row_chunks(indptr, m, chunks);
     parallel_chunks(pool, chunks, threads, [&](int64_t c) {
-      std::vector<float> scratch(2 * h + kRowBuffer + 8);
+      std::vector<float> scratch(std::max<int64_t>(h, kRowBuffer + 8));
       run_best<SoftmaxSorted<In, Out>>(indptr, x, g, y, h, starts[c], starts[c + 1],
                                        scratch.data(), entries);
     });
