@@ -246,11 +246,12 @@ SOFTMAX_KINDS += ["duplicates"]
 def test_native_softmax_and_its_gradient_match_float64(rng, kind):
     """The fused kernel (forward and backward from the output) on every pattern kind
     it runs (patterns sorted by row), three dtypes, one head (the eight-lane path), 5
-    and 40 heads; unsorted ids run the XLA composition, checked here too."""
+    and 40 heads, 80 (with AVX-512: blocks of 64 and 16 heads in sixteen lanes);
+    unsorted ids run the XLA composition, checked here too."""
     softmax, rows, m = _softmax_case(rng, kind)
     native = kind not in ("segment", "hub")
     for dtype in DTYPES:
-        for heads in (1, 5, 40):
+        for heads in (1, 5, 40, 80):
             x = jnp.asarray(3 * rng.standard_normal((len(rows), heads)), dtype)
             g = jnp.asarray(rng.standard_normal((len(rows), heads)), dtype)
             forward = jax.jit(softmax)
@@ -267,8 +268,23 @@ def test_native_softmax_keeps_long_rows_of_16_bit_outputs_exact(rng):
     outputs compute the exps again, float32 ones keep them in the output."""
     ids = np.sort(np.concatenate([np.zeros(9000, int), rng.integers(1, 5, 300)]))
     for dtype in DTYPES:
-        x = jnp.asarray(3 * rng.standard_normal((len(ids), 1)), dtype)
-        assert_close(jaxcsr.segment_softmax(x, ids, 5), softmax_reference(x, ids, 5), dtype)
+        for heads in (1, 16):  # 16: the sixteen-lane path where the CPU has AVX-512
+            x = jnp.asarray(3 * rng.standard_normal((len(ids), heads)), dtype)
+            want = softmax_reference(x, ids, 5)
+            assert_close(jaxcsr.segment_softmax(x, ids, 5), want, dtype)
+
+
+def test_native_softmax_heads_do_not_depend_on_the_lane_width(rng):
+    """Each head is reduced alone, in entry order, by the same operations in eight
+    lanes or sixteen: 32 heads (sixteen lanes where the CPU has AVX-512) give the bits
+    of the same heads among 40 (eight lanes everywhere)."""
+    ids = np.sort(power_law_ids(rng, 3000, 40))
+    x32 = jnp.asarray(3 * rng.standard_normal((ids.size, 32)), np.float32)
+    x40 = jnp.concatenate([x32, x32[:, :8]], axis=1)
+    for dtype in (np.float32, jnp.bfloat16):
+        y32 = jaxcsr.segment_softmax(x32.astype(dtype), ids, 40)
+        y40 = jaxcsr.segment_softmax(x40.astype(dtype), ids, 40)
+        np.testing.assert_array_equal(np.asarray(y32), np.asarray(y40)[:, :32])
 
 
 @pytest.mark.parametrize("kind", ["segment", "segment_sorted"])
@@ -278,14 +294,15 @@ def test_native_softmax_special_values_match_the_xla_path(rng, kind):
     ids = power_law_ids(rng, K, M)
     if kind.endswith("sorted"):
         ids = np.sort(ids)
-    x = 3 * rng.standard_normal((K, 2))
+    x = 3 * rng.standard_normal((K, 16))  # 16 heads: the sixteen-lane path too
     special = np.unique(ids)[:5]
     first = [np.flatnonzero(ids == r)[0] for r in special]
-    x[first[0], 0] = np.nan  # the row is NaN
-    x[first[1], 0] = np.inf  # NaN at the inf, 0 elsewhere
-    x[ids == special[2], 0] = -np.inf  # NaN (as jax.nn.softmax)
-    x[ids == special[3], 0] += 1e4  # far above exp's range: a fine softmax
-    x[ids == special[4], 0] -= 1e4  # far below: a fine softmax
+    for head in (0, 13):  # a low and a high lane
+        x[first[0], head] = np.nan  # the row is NaN
+        x[first[1], head] = np.inf  # NaN at the inf, 0 elsewhere
+        x[ids == special[2], head] = -np.inf  # NaN (as jax.nn.softmax)
+        x[ids == special[3], head] += 1e4  # far above exp's range: a fine softmax
+        x[ids == special[4], head] -= 1e4  # far below: a fine softmax
     x = jnp.asarray(x, np.float32)
     native = jaxcsr.segment_softmax(x, ids, M)
     composed = jaxcsr.segment_softmax(x, ids, M, impl="xla")
@@ -410,7 +427,7 @@ for trial in range(4):
     G = jaxcsr.CSRMatrix.from_coo(rows, cols, rng.standard_normal(k).astype(np.float32),
                                   shape=(int(m), int(n)))
     for dtype in (np.float32, jnp.bfloat16, np.float16):
-        for f in (1, 33):
+        for f in (1, 16, 33):  # 16: whole vectors (and sixteen softmax lanes)
             v = jnp.asarray(rng.standard_normal((k, f)), dtype)
             x = jnp.asarray(rng.standard_normal((n, f)), dtype)
             y = jnp.asarray(rng.standard_normal((m, f)), dtype)
@@ -439,15 +456,27 @@ EXP_CHECK = r"""
 #include "vector_math.h"
 #include <cmath>
 #include <cstdio>
+#include <cstring>
 using namespace jaxcsr;
+// exp16 (the AVX-512 build's) where the CPU has it, else exp8.
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) float wide(float x) {
+  return exp16(splat_as<f32x16>(x))[15];
+}
 // Every 61st float32 in [-110, 90] (all binades), plus the specials: the largest
 // error of exp8 in units in the last place of the float32 result (float64 exp is
-// the reference; below the smallest normal, absolute error in subnormal steps).
+// the reference; below the smallest normal, absolute error in subnormal steps);
+// exp16 must give exp8's bits.
 int main() {
   double worst = 0, worst_sub = 0;
   int bad_special = 0;
+  const bool avx512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512dq") && __builtin_cpu_supports("avx512vl");
   for (float x = -110.0f; x < 90.0f;) {
     const float got = exp8(splat(x))[0];
+    if (avx512) {
+      const float same = wide(x);
+      bad_special += std::memcmp(&got, &same, sizeof same) != 0;
+    }
     const double want = std::exp(static_cast<double>(x));
     const float wantf = static_cast<float>(want);
     if (std::isinf(wantf)) {
@@ -464,6 +493,8 @@ int main() {
   bad_special += !std::isinf(exp8(splat(INFINITY))[0]);
   bad_special += !std::isnan(exp8(splat(NAN))[0]);
   bad_special += exp8(splat(0.0f))[0] != 1.0f;
+  if (avx512) bad_special += wide(-INFINITY) != 0.0f || !std::isinf(wide(INFINITY)) ||
+                             !std::isnan(wide(NAN));
   std::printf("%.6f %.6f %d\n", worst, worst_sub, bad_special);
 }
 """
@@ -474,10 +505,12 @@ def test_softmax_exp_is_within_one_ulp(tmp_path):
     """The softmax kernel's own exp (csrc/vector_math.h) against float64, compiled with
     setup.py's flags:
     within 1 ulp on a sample of every binade, the smallest subnormals within 2 steps,
-    and exp(-inf) = 0, exp(inf) = inf, exp(NaN) = NaN, exp(0) = 1."""
+    and exp(-inf) = 0, exp(inf) = inf, exp(NaN) = NaN, exp(0) = 1; where the CPU has
+    AVX-512, the sixteen-lane exp gives the same bits on every sample."""
     source = Path(cpu.__file__).parent / "csrc"
     (tmp_path / "check.cc").write_text(EXP_CHECK)
     flags = ["-std=c++17", "-O3", "-ffp-contract=off", "-fno-math-errno", "-fno-trapping-math"]
+    flags += ["-Wno-psabi"]
     build = subprocess.run(
         ["g++", *flags, "-Wall", f"-I{source}", str(tmp_path / "check.cc"), "-o",
          str(tmp_path / "check")],

@@ -34,10 +34,13 @@ namespace ffi = xla::ffi;
 
 namespace {
 
+using jaxcsr::exp16;
 using jaxcsr::exp8;
 using jaxcsr::f32x8;
+using jaxcsr::f32x16;
 using jaxcsr::i32x8;
 using jaxcsr::splat;
+using jaxcsr::splat_as;
 
 // ------------------------------------------------------------------ 16-bit floats
 JAXCSR_INLINE float bf16_to_f32(uint16_t h) {
@@ -490,6 +493,20 @@ void run_best(Args&&... args) {
   }
 }
 
+// The AVX-512 build of a body (the softmax's sixteen-lane exp), where the CPU has it.
+bool has_avx512() {
+  static const bool yes = __builtin_cpu_supports("avx512f") &&
+                          __builtin_cpu_supports("avx512bw") &&
+                          __builtin_cpu_supports("avx512dq") &&
+                          __builtin_cpu_supports("avx512vl");
+  return yes;
+}
+
+template <typename Body, typename... Args>
+__attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) void run_avx512(Args&&... args) {
+  Body::run(std::forward<Args>(args)...);
+}
+
 template <typename In, typename Out, typename Op>
 struct PullRows {
   template <typename... Args>
@@ -889,6 +906,49 @@ constexpr int64_t kRowBuffer = 8192;  // floats of exp(x - peak) kept per row (3
 // XLA path's results).
 JAXCSR_INLINE float finite_or_zero(float peak) { return peak - peak == 0.0f ? peak : 0.0f; }
 
+// Heads [c, c + 8 V) of a row's softmax (the last vector may be partial: heads past h
+// are neither read nor written). exp(x - peak) is kept between the sum and the
+// scaling in ``buffer`` when the block fits (kRowBuffer floats), else in y for
+// float32 outputs, else computed again.
+template <typename In, typename Out, int V>
+JAXCSR_INLINE void softmax_heads(const typename In::Storage* __restrict x,
+                                 typename Out::Storage* __restrict y, int64_t len, int64_t h,
+                                 int64_t c, float* __restrict buffer) {
+  const bool in_buffer = len * 8 * V <= kRowBuffer;
+  constexpr bool in_y = std::is_same<Out, F32>::value;
+  f32x8 top[V], sum[V];
+  for (int v = 0; v < V; ++v) top[v] = splat(-__builtin_inff()), sum[v] = splat(0.0f);
+  for (int64_t j = 0; j < len; ++j)
+    for (int v = 0; v < V; ++v)
+      top[v] = max8(top[v], load8<In>(x + j * h + c + 8 * v, h - c - 8 * v, -__builtin_inff()));
+  for (int v = 0; v < V; ++v) top[v] = top[v] - top[v] == 0.0f ? top[v] : splat(0.0f);
+  for (int64_t j = 0; j < len; ++j)
+    for (int v = 0; v < V; ++v) {
+      const int64_t w = h - c - 8 * v;
+      const f32x8 e = exp8(load8<In>(x + j * h + c + 8 * v, w, 0.0f) - top[v]);
+      sum[v] += e;
+      if (in_buffer) {
+        std::memcpy(buffer + (j * V + v) * 8, &e, sizeof e);
+      } else if (in_y) {
+        store8<Out>(y + j * h + c + 8 * v, e, w);
+      }
+    }
+  for (int v = 0; v < V; ++v) sum[v] = splat(1.0f) / sum[v];
+  for (int64_t j = 0; j < len; ++j)
+    for (int v = 0; v < V; ++v) {
+      const int64_t w = h - c - 8 * v;
+      f32x8 e;
+      if (in_buffer) {
+        std::memcpy(&e, buffer + (j * V + v) * 8, sizeof e);
+      } else if (in_y) {
+        e = load8<F32>(reinterpret_cast<float*>(y) + j * h + c + 8 * v, w, 0.0f);
+      } else {
+        e = exp8(load8<In>(x + j * h + c + 8 * v, w, 0.0f) - top[v]);
+      }
+      store8<Out>(y + j * h + c + 8 * v, e * sum[v], w);
+    }
+}
+
 // Over a row stored contiguously (``len`` entries of h heads): the softmax of each
 // head, out = exp(x - peak) * (1 / sum exp(x - peak)). One head reduces the row in eight
 // lanes (fixed order: vectorised, and the same bits for any thread count); several
@@ -933,35 +993,124 @@ JAXCSR_INLINE void softmax_row(const typename In::Storage* __restrict x,
     }
     return;
   }
-  // Several heads: eight heads at a time, each block's max, sum and scaling over the
-  // whole row before the next block (statistics in registers; the block's column of
-  // the row, len x 8 values, stays in L1 between the passes).
-  const bool block_kept = len * 8 <= kRowBuffer;
-  for (int64_t c = 0; c < h; c += 8) {
-    const int64_t w = h - c;
-    f32x8 top = splat(-__builtin_inff());
-    for (int64_t j = 0; j < len; ++j)
-      top = max8(top, load8<In>(x + j * h + c, w, -__builtin_inff()));
-    f32x8 shift;
-    for (int l = 0; l < 8; ++l) shift[l] = finite_or_zero(top[l]);
-    f32x8 sum = splat(0.0f);
-    for (int64_t j = 0; j < len; ++j) {
-      const f32x8 e = exp8(load8<In>(x + j * h + c, w, 0.0f) - shift);
-      sum += e;
-      if (block_kept) std::memcpy(buffer + j * 8, &e, sizeof e);
-    }
-    const f32x8 scale = splat(1.0f) / sum;
-    for (int64_t j = 0; j < len; ++j) {
-      f32x8 e;
-      if (block_kept) {
-        std::memcpy(&e, buffer + j * 8, sizeof e);
-      } else {
-        e = exp8(load8<In>(x + j * h + c, w, 0.0f) - shift);
-      }
-      store8<Out>(y + j * h + c, e * scale, w);
+  // Several heads: blocks of up to 32 heads (whole cache lines of float32), each
+  // block's max, sum and scaling over the whole row before the next block, the
+  // statistics in registers.
+  for (int64_t c = 0; c < h; c += 32) {
+    switch ((std::min<int64_t>(h - c, 32) + 7) / 8) {
+      case 1: softmax_heads<In, Out, 1>(x, y, len, h, c, buffer); break;
+      case 2: softmax_heads<In, Out, 2>(x, y, len, h, c, buffer); break;
+      case 3: softmax_heads<In, Out, 3>(x, y, len, h, c, buffer); break;
+      default: softmax_heads<In, Out, 4>(x, y, len, h, c, buffer); break;
     }
   }
 }
+
+// Sixteen lanes (the AVX-512 build; float32 and bfloat16 only). Every helper carries
+// the target itself: compiled for the baseline and inlined later, gcc 12 splits its
+// 512-bit compares into scalar ones.
+#define JAXCSR_AVX512 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl")))
+typedef uint16_t u16x16 __attribute__((vector_size(32)));
+typedef uint32_t u32x16 __attribute__((vector_size(64)));
+
+template <typename In>
+JAXCSR_INLINE JAXCSR_AVX512 f32x16 load16(const typename In::Storage* x) {
+  if constexpr (std::is_same<In, F32>::value) {
+    f32x16 v;
+    std::memcpy(&v, x, sizeof v);
+    return v;
+  } else {
+    static_assert(std::is_same<In, BF16>::value, "float32 or bfloat16");
+    u16x16 h;
+    std::memcpy(&h, x, sizeof h);
+    return reinterpret_cast<f32x16>(__builtin_convertvector(h, u32x16) << 16);
+  }
+}
+
+template <typename Out>
+JAXCSR_INLINE JAXCSR_AVX512 void store16(typename Out::Storage* y, f32x16 v) {
+  if constexpr (std::is_same<Out, F32>::value) {
+    std::memcpy(y, &v, sizeof v);
+  } else {
+    static_assert(std::is_same<Out, BF16>::value, "float32 or bfloat16");
+    const u32x16 bits = reinterpret_cast<u32x16>(v);  // as store8
+    const u32x16 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
+    const u32x16 nan = (bits >> 16) | 0x40u;
+    const u16x16 h = __builtin_convertvector(
+        (bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded, u16x16);
+    std::memcpy(y, &h, sizeof h);
+  }
+}
+
+// softmax_heads for heads [c, c + 16 V), all present (h a multiple of 16), sixteen
+// lanes at a time: the same operations lane by lane, so the same bits as the
+// eight-lane build; exp costs about half as much (one 512-bit register per exp).
+template <typename In, typename Out, int V>
+JAXCSR_INLINE JAXCSR_AVX512 void softmax_heads16(const typename In::Storage* __restrict x,
+                                   typename Out::Storage* __restrict y, int64_t len, int64_t h,
+                                   int64_t c, float* __restrict buffer) {
+  const bool in_buffer = len * 16 * V <= kRowBuffer;
+  constexpr bool in_y = std::is_same<Out, F32>::value;
+  f32x16 top[V], sum[V];
+  for (int v = 0; v < V; ++v) {
+    top[v] = splat_as<f32x16>(-__builtin_inff());
+    sum[v] = splat_as<f32x16>(0.0f);
+  }
+  for (int64_t j = 0; j < len; ++j)
+    for (int v = 0; v < V; ++v) {
+      const f32x16 e = load16<In>(x + j * h + c + 16 * v);
+      top[v] = e > top[v] ? e : top[v];  // as max8 (two selects: a 512-bit "|" of
+      top[v] = e != e ? e : top[v];      // comparisons is scalarised by gcc 12)
+    }
+  for (int v = 0; v < V; ++v) top[v] = top[v] - top[v] == 0.0f ? top[v] : splat_as<f32x16>(0.0f);
+  for (int64_t j = 0; j < len; ++j)
+    for (int v = 0; v < V; ++v) {
+      const f32x16 e = exp16(load16<In>(x + j * h + c + 16 * v) - top[v]);
+      sum[v] += e;
+      if (in_buffer) {
+        std::memcpy(buffer + (j * V + v) * 16, &e, sizeof e);
+      } else if constexpr (in_y) {
+        store16<Out>(y + j * h + c + 16 * v, e);
+      }
+    }
+  for (int v = 0; v < V; ++v) sum[v] = splat_as<f32x16>(1.0f) / sum[v];
+  for (int64_t j = 0; j < len; ++j)
+    for (int v = 0; v < V; ++v) {
+      f32x16 e;
+      if (in_buffer) {
+        std::memcpy(&e, buffer + (j * V + v) * 16, sizeof e);
+      } else if constexpr (in_y) {
+        e = load16<F32>(y + j * h + c + 16 * v);
+      } else {
+        e = exp16(load16<In>(x + j * h + c + 16 * v) - top[v]);
+      }
+      store16<Out>(y + j * h + c + 16 * v, e * sum[v]);
+    }
+}
+
+// Rows [lo, hi) of a sorted pattern, the softmax with h a multiple of 16 (blocks of
+// up to 64 heads).
+template <typename In, typename Out>
+struct SoftmaxSorted16 {
+  JAXCSR_INLINE JAXCSR_AVX512 static void run(const int32_t* indptr,
+                                               const typename In::Storage* x,
+                                               typename Out::Storage* y, int64_t h,
+                                               int64_t lo, int64_t hi, float* buffer) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const int64_t j0 = indptr[r], len = indptr[r + 1] - j0;
+      for (int64_t c = 0; len > 0 && c < h; c += 64) {
+        const auto* xr = x + j0 * h;
+        auto* yr = y + j0 * h;
+        switch (std::min<int64_t>(h - c, 64) / 16) {
+          case 1: softmax_heads16<In, Out, 1>(xr, yr, len, h, c, buffer); break;
+          case 2: softmax_heads16<In, Out, 2>(xr, yr, len, h, c, buffer); break;
+          case 3: softmax_heads16<In, Out, 3>(xr, yr, len, h, c, buffer); break;
+          default: softmax_heads16<In, Out, 4>(xr, yr, len, h, c, buffer); break;
+        }
+      }
+    }
+  }
+};
 
 template <typename In, typename Out>
 JAXCSR_INLINE void tangent_row(const typename In::Storage* __restrict p,
@@ -1033,6 +1182,14 @@ struct SoftmaxKernel {
     const std::vector<int64_t> starts = row_chunks(indptr, m, chunks);
     parallel_chunks(pool, chunks, threads, [&](int64_t c) {
       std::vector<float> scratch(std::max<int64_t>(h, kRowBuffer + 8));
+      constexpr bool wide = !std::is_same<In, F16>::value && !std::is_same<Out, F16>::value;
+      if constexpr (wide) {
+        if (!g && h % 16 == 0 && has_avx512()) {
+          run_avx512<SoftmaxSorted16<In, Out>>(indptr, x, y, h, starts[c], starts[c + 1],
+                                               scratch.data());
+          return;
+        }
+      }
       run_best<SoftmaxSorted<In, Out>>(indptr, x, g, y, h, starts[c], starts[c + 1],
                                        scratch.data(), entries);
     });
