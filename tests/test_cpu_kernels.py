@@ -49,23 +49,24 @@ def _hub_ids(rng, size, rows):
     return ids
 
 
-def _matrix(rng, kind: str):
-    """``(A, dense float64)`` for one structure kind."""
+def _matrix(rng, kind: str, m: int = M, n: int = N, k: int = K):
+    """``(A, dense float64)`` for one structure kind (``m`` rows; ``k`` segment ids,
+    ``n`` columns otherwise)."""
     if kind in ("segment", "segment_sorted", "segment_weighted", "hub", "hub_sorted"):
-        ids = _hub_ids(rng, K, M) if kind.startswith("hub") else power_law_ids(rng, K, M)
+        ids = _hub_ids(rng, k, m) if kind.startswith("hub") else power_law_ids(rng, k, m)
         if kind.endswith("sorted"):
             ids = np.sort(ids)
-        data = random_values(rng, K).astype(np.float32) if kind == "segment_weighted" else None
-        dense = np.zeros((M, K))
-        dense[ids, np.arange(K)] = 1.0 if data is None else data
-        return CSRMatrix.from_indices(ids, M, data=data), dense
+        data = random_values(rng, k).astype(np.float32) if kind == "segment_weighted" else None
+        dense = np.zeros((m, k))
+        dense[ids, np.arange(k)] = 1.0 if data is None else data
+        return CSRMatrix.from_indices(ids, m, data=data), dense
     if kind == "duplicates":  # repeated (row, col) pairs stay separate entries
         rows, cols = rng.integers(0, M, 300), rng.integers(0, 8, 300)
         data = random_values(rng, 300).astype(np.float32)
         dense = np.zeros((M, N))
         np.add.at(dense, (rows, cols), data.astype(np.float64))
         return CSRMatrix.from_coo(rows, cols, data, shape=(M, N)), dense
-    mat = random_csr(rng, M, N, {"general": "power_law", "empty_rows": "empty_rows"}[kind])
+    mat = random_csr(rng, m, n, {"general": "power_law", "empty_rows": "empty_rows"}[kind])
     mat = mat.astype(np.float32)
     return CSRMatrix.from_scipy(mat), mat.toarray().astype(np.float64)
 
@@ -173,9 +174,15 @@ def test_traced_ids_drop_what_jax_ops_drops(rng, sorted_ids):
         assert "jaxcsr_cpu_" in fn.lower(jnp.asarray(ids), v.astype(dtype)).as_text()
 
 
-@pytest.mark.parametrize("kind", ["hub", "segment", "general"])
+# Below this many elements a product runs on the calling thread alone (kSerialWork
+# in cpu_kernels.cc): the thread tests stay above it, so that several threads run.
+SERIAL_WORK = 1 << 17
+
+
+@pytest.mark.parametrize("kind", ["hub", "segment", "segment_sorted", "general"])
 def test_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
-    A, _ = _matrix(rng, kind)
+    A, _ = _matrix(rng, kind, m=300, n=1000, k=9000)
+    assert A.nnz * 16 >= SERIAL_WORK
     for dtype in (np.float32, jnp.bfloat16):
         for B, f in ((A, 33), (A, 16), (A.T, 64)) if kind == "general" else ((A, 33), (A, 16)):
             x = random_values(rng, (B.shape[1], f)).astype(dtype)
@@ -234,7 +241,7 @@ def _softmax_case(rng, kind: str, size: int = K):
         if kind.endswith("sorted"):
             ids = np.sort(ids)
         return (lambda x: jaxcsr.segment_softmax(x, ids, M)), ids, M
-    A, _ = _matrix(rng, kind)
+    A, _ = _matrix(rng, kind) if size == K else _matrix(rng, kind, m=300, n=1000)
     return (lambda x: jaxcsr.edge_softmax(A, x)), entry_rows(A), A.shape[0]
 
 
@@ -340,8 +347,9 @@ def test_native_softmax_of_traced_ids_drops_what_jax_ops_drops(rng, sorted_ids):
 
 @pytest.mark.parametrize("kind", ["segment_sorted", "hub_sorted", "general"])
 def test_native_softmax_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
-    """Large enough for several chunks of rows."""
+    """Large enough for several chunks of rows on several threads."""
     softmax, rows, _ = _softmax_case(rng, kind, size=20_000)
+    assert len(rows) * 8 >= SERIAL_WORK
     x = jnp.asarray(rng.standard_normal((len(rows), 8)), np.float32)
     g = jnp.asarray(rng.standard_normal((len(rows), 8)), np.float32)
 
