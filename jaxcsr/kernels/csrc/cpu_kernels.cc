@@ -342,8 +342,8 @@ JAXCSR_INLINE float fold_vector(f32x8 v) {
 
 // ------------------------------------------------------------------ kernels
 // Rows [lo, hi) of the pull product for f = 8 * V features (float32 or bfloat16
-// operands): the row's V accumulators are vector registers, no loop over features.
-// Same order per feature as the general loop below: the same bits.
+// operands and output): the row's V accumulators are vector registers, no loop over
+// features. Same order per feature as the general loop below: the same bits.
 template <typename In, typename Out, typename Op, int V>
 JAXCSR_INLINE void pull_rows_vectors(const int32_t* indptr, const int32_t* cols,
                                      const typename In::Storage* data,
@@ -416,7 +416,7 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
     }
     return;
   }
-  if constexpr (!std::is_same<In, F16>::value) {
+  if constexpr (!std::is_same<In, F16>::value && std::is_same<In, Out>::value) {
     switch (f) {
       case 8: return pull_rows_vectors<In, Out, Op, 1>(indptr, cols, data, x, y, lo, hi, n, bad);
       case 16: return pull_rows_vectors<In, Out, Op, 2>(indptr, cols, data, x, y, lo, hi, n, bad);
@@ -451,7 +451,7 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
 
 // Entries [k0, k1) of the push product into ``acc`` (all m rows, from Op::init): each
 // entry's row is read, no branch per entry, so ids in any order cost the same. Ids
-// outside [0, m) are dropped. V > 0: f = 8 * V, float32 or bfloat16 operands.
+// outside [0, m) are dropped. V > 0: f = 8 * V, float32 or bfloat16 operands and output.
 template <typename In, typename Out, typename Op, int V>
 JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage* data,
                                   const typename In::Storage* x, float* acc, int64_t m,
@@ -534,7 +534,7 @@ struct PushRows {
   JAXCSR_INLINE static void run(const int32_t* ids, const typename In::Storage* data,
                                 const typename In::Storage* x, float* acc, int64_t m,
                                 int64_t f, int64_t k0, int64_t k1) {
-    if constexpr (!std::is_same<In, F16>::value) {
+    if constexpr (!std::is_same<In, F16>::value && std::is_same<In, Out>::value) {
       switch (f) {
         case 8: return push_rows_body<In, Out, Op, 1>(ids, data, x, acc, m, f, k0, k1);
         case 16: return push_rows_body<In, Out, Op, 2>(ids, data, x, acc, m, f, k0, k1);
