@@ -287,6 +287,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         print("SMOKE RUN (--quick): checks every system, not a benchmark; see docs/benchmarks.md")
     print(report.table(rows, shown, markdown=False))
     print(report.LEGEND.replace("`", ""))
+    print(report.summary_line(rows))
     failed = report.errors(rows)
     if failed:
         print("Peers that could not run a cell:\n" + "\n".join(failed).replace("`", ""))

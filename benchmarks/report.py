@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -101,6 +102,43 @@ def errors(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def versus_best_peer(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """jaxcsr against the fastest peer of each cell (peers that ran and agree with
+    jaxcsr; cells without one are left out): the geometric mean of the ratios
+    ``best peer's median / jaxcsr's``, the cell count, and how many are below 1.0x
+    and at or above 1.3x."""
+    ratios = []
+    for row in rows:
+        systems = row["systems"]
+        peers = [
+            res["median_s"]
+            for name, res in systems.items()
+            if name != "jaxcsr" and "error" not in res and not res.get("mismatch")
+        ]
+        if peers and "error" not in systems["jaxcsr"]:
+            ratios.append(min(peers) / systems["jaxcsr"]["median_s"])
+    if not ratios:
+        return {"cells": 0}
+    logs = [math.log(r) for r in ratios]
+    return {
+        "cells": len(ratios),
+        "geomean": math.exp(sum(logs) / len(logs)),
+        "below_1": sum(r < 1.0 for r in ratios),
+        "at_least_1_3": sum(r >= 1.3 for r in ratios),
+    }
+
+
+def summary_line(rows: list[dict[str, Any]]) -> str:
+    """One sentence of :func:`versus_best_peer`."""
+    v = versus_best_peer(rows)
+    if not v["cells"]:
+        return "No cell had a peer to compare with."
+    return (
+        f"Against the best peer of each cell: geometric mean {v['geomean']:.2f}x over "
+        f"{v['cells']} cells; {v['below_1']} below 1.0x, {v['at_least_1_3']} at or above 1.3x."
+    )
+
+
 def write_study(out_dir: Path, stem: str, result: dict[str, Any], text: str) -> Path:
     """A study's ``<stem>.json`` (the result) and ``<stem>.md`` (``text``) in
     ``out_dir``; returns the markdown's path."""
@@ -130,6 +168,8 @@ def write_outputs(result: dict[str, Any], out_dir: Path, systems: list[str]) -> 
         LEGEND,
         "",
         table(result["rows"], systems, markdown=True),
+        "",
+        summary_line(result["rows"]),
         "",
     ]
     failed = errors(result["rows"])

@@ -7,7 +7,7 @@ import json
 import numpy as np
 import pytest
 
-from benchmarks import measure
+from benchmarks import measure, report
 from benchmarks.__main__ import main
 from benchmarks.datasets import EMBEDDED, load_graph
 
@@ -55,7 +55,30 @@ def test_quick_benchmark_writes_checked_results(tmp_path, capsys):
     saved = json.loads((tmp_path / "results.json").read_text())
     assert saved["bandwidth"]["copy_gbps"] > 0 and len(saved["rows"]) == len(rows)
     assert "| graph |" in (tmp_path / "results.md").read_text()
+    assert report.summary_line(rows) in (tmp_path / "results.md").read_text()
     assert "jaxcsr" in capsys.readouterr().out
+
+
+def _row(ours, **peers):
+    """A result row with jaxcsr's and the peers' medians (a peer given None errored)."""
+    systems = {"jaxcsr": {"median_s": ours}}
+    for name, t in peers.items():
+        systems[name] = {"error": "x"} if t is None else {"median_s": t, "mismatch": False}
+    return {"systems": systems}
+
+
+def test_versus_best_peer_takes_the_fastest_agreeing_peer():
+    rows = [
+        _row(1.0, a=2.0, b=4.0),  # 2.0x
+        _row(2.0, a=1.0, b=None),  # 0.5x (the errored peer is skipped)
+        _row(1.0, a=None),  # no peer: left out
+        _row(1.0, a=1.3),  # 1.3x
+    ]
+    rows.append(_row(1.0, a=0.1))
+    rows[-1]["systems"]["a"]["mismatch"] = True  # a wrong answer is not a peer: left out
+    v = report.versus_best_peer(rows)
+    assert v["cells"] == 3 and (v["below_1"], v["at_least_1_3"]) == (1, 2)
+    np.testing.assert_allclose(v["geomean"], (2.0 * 0.5 * 1.3) ** (1 / 3))
 
 
 def test_relative_error_detects_mismatch():

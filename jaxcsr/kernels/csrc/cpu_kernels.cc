@@ -7,7 +7,7 @@
 //   threads by nnz. Each row is accumulated in float32 in CSR order (one feature:
 //   in eight lanes, combined in a fixed tree), then stored once in the output dtype.
 // * RowPush: the one-per-column view (unsorted segment ids): entry k brings
-//   data[k] * x[k] to row ids[k], in up to 4 pieces of consecutive entries with
+//   data[k] * x[k] to row ids[k], in 1, 2 or 4 pieces of consecutive entries with
 //   private float32 partials, combined in piece order.
 //
 // Plus the sampled product (Sddmm), the one-entry-per-row gather (Gather) and the
@@ -15,8 +15,10 @@
 //
 // Every output row is reduced in one order fixed by the sizes, whatever the number of
 // threads or chunks: results are bit-identical for any thread count. Ids outside
-// [0, rows) belong to no row (they are dropped, as jax.ops drops them).
-// Everything is checked in Python before the call; the checks here guard memory.
+// [0, rows) belong to no row (they are dropped, as jax.ops drops them). Loops are
+// compiled for AVX2 and for the baseline (the softmax also for AVX-512) and chosen at
+// run time. Everything is checked in Python before the call; the checks here guard
+// memory.
 
 #include <algorithm>
 #include <atomic>
@@ -569,7 +571,7 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
 }
 
 // The push product in P pieces of consecutive entries, P fixed by the sizes alone
-// (up to 4, at least 4 entries per row and piece, the partials within 8 MiB: their
+// (1, 2 or 4, at least 4 entries per row and piece, the partials within 8 MiB: their
 // fill and merge must stay small next to the entries' own work; measured on 2 cores
 // with tolokers and musae-github in random order, F = 1..64, 1-8 pieces): each
 // piece reduces its entries into its own (m, f) float32 partial in input order, then
