@@ -425,10 +425,10 @@ assert cpu.available(), cpu.library_path()
 rng = np.random.default_rng(int(__import__("sys").argv[1]))
 # traced ids (a padded layout), some past the last segment: dropped
 traced_sum = jax.jit(jaxcsr.segment_sum, static_argnames="num_segments")
-for trial in range(4):
+for trial in range(3):
     m, n, k = rng.integers(1, 40), rng.integers(1, 60), rng.integers(0, 500)
     ids = rng.integers(0, m, k)
-    if trial % 2:
+    if trial % 2 == 0:
         ids[: k // 2] = m // 2  # a hub
     A = jaxcsr.CSRMatrix.from_indices(np.sort(ids) if trial % 3 == 0 else ids, int(m))
     rows, cols = rng.integers(0, m, k), rng.integers(0, n, k)
@@ -437,7 +437,7 @@ for trial in range(4):
     for dtype in (np.float32, jnp.bfloat16, np.float16):
         # one feature, and a width per trial: 33 (a loop over features), 16 and 64
         # (whole vectors; sixteen softmax lanes with AVX-512)
-        for f in (1, (33, 16, 64, 33)[trial]):
+        for f in (1, (33, 16, 64)[trial]):
             v = jnp.asarray(rng.standard_normal((k, f)), dtype)
             x = jnp.asarray(rng.standard_normal((n, f)), dtype)
             y = jnp.asarray(rng.standard_normal((m, f)), dtype)
