@@ -343,6 +343,21 @@ JAXCSR_INLINE float fold_vector(f32x8 v) {
 }
 
 // ------------------------------------------------------------------ kernels
+// The column of entry j of a row ending at j1 (j itself without cols), or -1 when it is
+// outside [0, n) (``bad`` is then set: x is never read there); prefetches the row of x
+// that entry j + 8 reads.
+template <typename S>
+JAXCSR_INLINE int64_t checked_column(const int32_t* cols, int64_t j, int64_t j1, const S* x,
+                                     int64_t f, uint64_t n, bool& bad) {
+  const int64_t col = cols ? cols[j] : j;
+  if (static_cast<uint64_t>(col) >= n) {
+    bad = true;
+    return -1;
+  }
+  if (cols && j + 8 < j1) __builtin_prefetch(x + static_cast<int64_t>(cols[j + 8]) * f);
+  return col;
+}
+
 // Rows [lo, hi) of the pull product for f = 8 * V features (float32 or bfloat16
 // operands and output): the row's V accumulators are vector registers, no loop over
 // features. Same order per feature as the general loop below: the same bits.
@@ -357,12 +372,8 @@ JAXCSR_INLINE void pull_rows_vectors(const int32_t* indptr, const int32_t* cols,
     f32x8 a[V];
     for (int v = 0; v < V; ++v) a[v] = splat(Op::init);
     for (int64_t j = j0; j < j1; ++j) {
-      const int64_t col = cols ? cols[j] : j;
-      if (static_cast<uint64_t>(col) >= n) {  // never read outside x
-        bad = true;
-        continue;
-      }
-      if (cols && j + 8 < j1) __builtin_prefetch(x + static_cast<int64_t>(cols[j + 8]) * f);
+      const int64_t col = checked_column(cols, j, j1, x, f, n, bad);
+      if (col < 0) continue;
       const f32x8 w = splat(data ? In::load(data[j]) : 1.0f);
       for (int v = 0; v < V; ++v)
         a[v] = combine8<Op>(a[v], w * load8<In>(x + col * f + 8 * v, 8, 0.0f));
@@ -434,12 +445,8 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
     const int64_t j0 = indptr[r], j1 = indptr[r + 1];
     std::fill(a, a + f, Op::init);
     for (int64_t j = j0; j < j1; ++j) {
-      const int64_t col = cols ? cols[j] : j;
-      if (static_cast<uint64_t>(col) >= n) {  // never read outside x
-        bad = true;
-        continue;
-      }
-      if (cols && j + 8 < j1) __builtin_prefetch(x + static_cast<int64_t>(cols[j + 8]) * f);
+      const int64_t col = checked_column(cols, j, j1, x, f, n, bad);
+      if (col < 0) continue;
       const float w = data ? In::load(data[j]) : 1.0f;
       if (f <= kWidth) {
         accumulate<In, Op>(local, x + col * f, w, f);
@@ -1112,9 +1119,9 @@ struct SoftmaxSorted16 {
                                                int64_t lo, int64_t hi, float* buffer) {
     for (int64_t r = lo; r < hi; ++r) {
       const int64_t j0 = indptr[r], len = indptr[r + 1] - j0;
+      const auto* xr = x + j0 * h;
+      auto* yr = y + j0 * h;
       for (int64_t c = 0; len > 0 && c < h; c += 64) {
-        const auto* xr = x + j0 * h;
-        auto* yr = y + j0 * h;
         switch (std::min<int64_t>(h - c, 64) / 16) {
           case 1: softmax_heads16<In, Out, 1>(xr, yr, len, h, c, buffer); break;
           case 2: softmax_heads16<In, Out, 2>(xr, yr, len, h, c, buffer); break;
