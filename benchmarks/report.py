@@ -102,11 +102,25 @@ def errors(rows: list[dict[str, Any]]) -> list[str]:
     ]
 
 
+def ratio_summary(ratios: list[float]) -> dict[str, Any]:
+    """Speed-up ratios (> 1: jaxcsr faster) in four numbers: the cell count, their
+    geometric mean, and how many are below 1.0x and at or above 1.3x (the targets'
+    thresholds). No ratios: ``{"cells": 0}``."""
+    if not ratios:
+        return {"cells": 0}
+    logs = [math.log(r) for r in ratios]
+    return {
+        "cells": len(ratios),
+        "geomean": math.exp(sum(logs) / len(logs)),
+        "below_1": sum(r < 1.0 for r in ratios),
+        "at_least_1_3": sum(r >= 1.3 for r in ratios),
+    }
+
+
 def versus_best_peer(rows: list[dict[str, Any]]) -> dict[str, Any]:
     """jaxcsr against the fastest peer of each cell (peers that ran and agree with
-    jaxcsr; cells without one are left out): the geometric mean of the ratios
-    ``best peer's median / jaxcsr's``, the cell count, and how many are below 1.0x
-    and at or above 1.3x."""
+    jaxcsr; cells without one are left out): :func:`ratio_summary` of the ratios
+    ``best peer's median / jaxcsr's``."""
     ratios = []
     for row in rows:
         systems = row["systems"]
@@ -117,15 +131,7 @@ def versus_best_peer(rows: list[dict[str, Any]]) -> dict[str, Any]:
         ]
         if peers and "error" not in systems["jaxcsr"]:
             ratios.append(min(peers) / systems["jaxcsr"]["median_s"])
-    if not ratios:
-        return {"cells": 0}
-    logs = [math.log(r) for r in ratios]
-    return {
-        "cells": len(ratios),
-        "geomean": math.exp(sum(logs) / len(logs)),
-        "below_1": sum(r < 1.0 for r in ratios),
-        "at_least_1_3": sum(r >= 1.3 for r in ratios),
-    }
+    return ratio_summary(ratios)
 
 
 def summary_line(rows: list[dict[str, Any]]) -> str:

@@ -187,14 +187,12 @@ def markdown(result: dict) -> str:
             f"{r['best_peer']} | {ms[r['best_peer']]:.2f} | {r['vs_best_peer']:.2f}x | "
             f"{r['threads_speedup']:.2f}x | {r['gbps']:.1f} | {r['pct_of_copy']:.0f} |"
         )
-    ratios = np.array([r["vs_best_peer"] for r in result["rows"]])
-    if ratios.size:
-        geo = float(np.exp(np.log(ratios).mean()))
+    v = report.ratio_summary([r["vs_best_peer"] for r in result["rows"]])
+    if v["cells"]:
         lines += [
             "",
-            f"Geometric mean vs best peer: {geo:.2f}x over {ratios.size} cells; "
-            f"{int((ratios < 1.0).sum())} cells below 1.0x, {int((ratios >= 1.3).sum())} "
-            "at or above 1.3x.",
+            f"Geometric mean vs best peer: {v['geomean']:.2f}x over {v['cells']} cells; "
+            f"{v['below_1']} cells below 1.0x, {v['at_least_1_3']} at or above 1.3x.",
         ]
     return "\n".join(lines) + "\n"
 
