@@ -468,7 +468,7 @@ EXP_CHECK = r"""
 #include <cstdio>
 #include <cstring>
 using namespace jaxcsr;
-// exp16 (the AVX-512 build's) where the CPU has it, else exp8.
+// exp16 (the AVX-512 build's exp); main calls it only where the CPU has AVX-512.
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) float wide(float x) {
   return exp16(splat_as<f32x16>(x))[15];
 }
