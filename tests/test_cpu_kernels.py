@@ -199,6 +199,31 @@ def test_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
             pass
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_one_piece_push_splits_features_over_threads(rng, dtype):
+    """Unsorted ids with about 3 per row push in one piece, whose features split over
+    the threads in blocks of 64-byte lines (F = 48: blocks of 16 and 32 float32
+    features; F = 64 bfloat16: two of 32): sum, max and min against float64, and the
+    same bits on one thread."""
+    m, k = 3000, 9000
+    ids = power_law_ids(rng, k, m)
+    rng.shuffle(ids)
+    A = CSRMatrix.from_indices(ids, m)
+    assert cpu.kernel_for(A.structure) == "push" and k < 8 * m  # one piece
+    reduces = ("sum", "max", "min")
+    fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
+    with cpu.threads(1):
+        one = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
+    for f in (48, 64):
+        assert k * f >= SERIAL_WORK
+        x = random_values(rng, (k, f)).astype(dtype)
+        every = fn(A, x)
+        for reduce, y, y1 in zip(reduces, every, one(A, x), strict=True):
+            want, _ = reduce_reference(A, np.asarray(x, np.float64), reduce)
+            assert_close(y, want, dtype)
+            np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
+
+
 def test_gradients_through_the_native_products(rng):
     A, dense = _matrix(rng, "general")
     x = random_values(rng, (N, 5)).astype(np.float32)
