@@ -26,9 +26,8 @@ its transpose is the product with the transposed view (and an SDDMM for ``data``
 Max and min are piecewise linear: their JVP takes the tangents at the entry that
 attains each output, so the gradient reaches the arg positions only. For at most one
 nonzero per column (``from_indices``) it is the masked sum ``A @ (mask * dX)``
-(the fallback's ``arg_search.column_mask``), transposed by the sum's own rule;
-otherwise a gather at ``arg_search.positions``, which JAX transposes into a
-scatter-add.
+(:func:`arg_search`'s ``column_mask``), transposed by the sum's own rule;
+otherwise a gather at its ``positions``, which JAX transposes into a scatter-add.
 """
 
 from __future__ import annotations
@@ -57,6 +56,7 @@ __all__ = [
     "REDUCTIONS",
     "Index",
     "ShapedArray",
+    "arg_search",
     "backend_for",
     "def_jitted_impl",
     "map_over_batch",
@@ -205,7 +205,7 @@ def reduce_rows(
     ``"mean"`` divides the sum, carried in the accumulation dtype, by the row degrees
     (floor division for integers) and rounds once; a view with one entry per row is
     its own max/min, so it runs the sum. ``return_arg`` adds the column attaining each
-    max/min (sentinel ``n`` for empty rows), found by the fallback's arg search.
+    max/min (sentinel ``n`` for empty rows), found by :func:`arg_search`.
     """
     s = index.structure
     semiring = reduce
@@ -228,8 +228,45 @@ def reduce_rows(
     x, data, found = jax.lax.stop_gradient((x, data, out))
     if _is_empty(s, x.shape[1]):
         return out, jnp.full(out.shape, s.shape[1], jnp.int32)
-    search = kernels.fallback().arg_search
-    return out, search.columns(x, data, opaque(index).structure, found)
+    return out, arg_search("columns", x, data, opaque(index), found, impl)
+
+
+def arg_search(kind: str, x, data, index: Index, out, impl: str | None) -> jax.Array:
+    """The :class:`~jaxcsr.kernels.ArgSearch` function ``kind`` (``"positions"``,
+    ``"columns"`` or ``"column_mask"``) of ``out``, the max/min of ``index``'s view.
+
+    Each platform runs its kernel's own search where the matrix carries that kernel's
+    plan, the kernel is available and has one, and ``impl`` is ``None`` or names it
+    (chosen when lowered, by ``lax.platform_dependent``); every other case runs the
+    fallback's. All answer the same (first hits)."""
+    structure = index.structure
+    fallback = getattr(kernels.fallback().arg_search, kind)
+    own = _own_searches(index, impl)
+    branches = {p: _at_view(getattr(search, kind), structure) for p, search in own.items()}
+    if not branches:
+        return fallback(x, data, structure, out)
+    return jax.lax.platform_dependent(
+        x, data, out, default=_at_view(fallback, structure), **branches
+    )
+
+
+def _own_searches(index: Index, impl: str | None) -> dict[str, kernels.ArgSearch]:
+    """Platform -> the :class:`~jaxcsr.kernels.ArgSearch` of its kernel, where the
+    matrix carries that kernel's plan, the kernel is available and has one, and
+    ``impl`` is ``None`` or names it."""
+    own = {}
+    for platform in PLATFORMS:
+        name = kernels.platform_kernel(platform)
+        if name is None or name not in index.plans or impl not in (None, name):
+            continue
+        backend = kernels.BACKENDS[name]
+        if backend.arg_search is not None and backend.available():
+            own[platform] = backend.arg_search
+    return own
+
+
+def _at_view(search, structure: Structure):
+    return lambda x, data, out: search(x, data, structure, out)
 
 
 def _divide_by_degree(total: jax.Array, structure: Structure, dtype) -> jax.Array:
@@ -453,21 +490,35 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
     data_live = data_dot is not None and type(data_dot) is not ad.Zero
     if _is_empty(s, x.shape[1]) or not (x_live or data_live):
         return jnp.zeros_like(out)
-    search = kernels.fallback().arg_search
+    impl = params["impl"]
     sum_params = {**params, "reduce": "sum", "accumulate": False}
     if s.one_per_column:
-        # <= 1 nonzero per column (from_indices): the tangent is a masked sum,
-        # A @ (mask * x_dot), whose transpose is a row gather times the mask.
-        mask = jax.lax.stop_gradient(search.column_mask(x, data, s, out))
-        tangent = jnp.zeros(out.shape, out.dtype)
-        if x_live:
-            masked = jnp.where(mask, x_dot, jnp.zeros((), x_dot.dtype))
-            tangent = tangent + product(masked, data, index, **sum_params)
-        if data_live:
-            masked = jnp.where(mask, x, jnp.zeros((), x.dtype))
-            tangent = tangent + product(masked, data_dot, index, **sum_params)
-        return tangent.astype(out.dtype)
-    position = jax.lax.stop_gradient(search.positions(x, data, s, out))
+        own = _own_searches(index, impl)
+
+        def masked_sum(x, data, out, x_dot, data_dot):
+            # <= 1 nonzero per column (from_indices): the tangent is a masked sum,
+            # A @ (mask * x_dot), whose transpose is a row gather times the mask.
+            search = kernels.fallback().arg_search.column_mask
+            mask = jax.lax.stop_gradient(search(x, data, s, out))
+            tangent = jnp.zeros(out.shape, out.dtype)
+            if x_live:
+                masked = jnp.where(mask, x_dot, jnp.zeros((), x_dot.dtype))
+                tangent = tangent + product(masked, data, index, **sum_params)
+            if data_live:
+                masked = jnp.where(mask, x, jnp.zeros((), x.dtype))
+                tangent = tangent + product(masked, data_dot, index, **sum_params)
+            return tangent.astype(out.dtype)
+
+        if not own:
+            return masked_sum(x, data, out, x_dot, data_dot)
+        # A kernel's own search: the tangents at the (m, F) attaining columns, whose
+        # transpose scatters m * F values (the mask's product and where pass n * F).
+        branches = {p: _at_columns(own[p].columns, s, x_live, data_live) for p in own}
+        return jax.lax.platform_dependent(
+            x, data, out, x_dot if x_live else None, data_dot if data_live else None,
+            default=masked_sum, **branches,
+        )  # fmt: skip
+    position = jax.lax.stop_gradient(arg_search("positions", x, data, index, out, impl))
     valid = position < nnz
     position = jnp.minimum(position, nnz - 1)
     columns = s.view_indices()[position]  # (m, F)
@@ -480,6 +531,31 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
         part = jnp.take_along_axis(x, columns, axis=0).astype(acc)
         tangent = tangent + part * data_dot[position].astype(acc)
     return jnp.where(valid, tangent, 0).astype(out.dtype)
+
+
+def _at_columns(columns_of, structure: Structure, x_live: bool, data_live: bool):
+    """One-per-column views: the max/min's tangent from the ``(m, F)`` columns that
+    ``columns_of`` finds (``n``: an empty row, tangent 0), ``x_dot[column] * data`` plus
+    ``x[column] * data_dot`` at each."""
+
+    def tangent(x, data, out, x_dot, data_dot):
+        n = x.shape[0]
+        columns = jax.lax.stop_gradient(columns_of(x, data, structure, out))
+        valid = columns < n
+        columns = jnp.minimum(columns, n - 1)
+        acc = accumulation_dtype(out.dtype)
+        total = jnp.zeros(out.shape, acc)
+        if x_live:
+            part = jnp.take_along_axis(x_dot, columns, axis=0).astype(acc)
+            if data is not None:
+                part = part * structure.column_values(data)[columns].astype(acc)
+            total = total + part
+        if data_live:
+            part = jnp.take_along_axis(x, columns, axis=0).astype(acc)
+            total = total + part * structure.column_values(data_dot)[columns].astype(acc)
+        return jnp.where(valid, total, 0).astype(out.dtype)
+
+    return tangent
 
 
 ad.primitive_jvps[csr_matmul_p] = _jvp

@@ -30,7 +30,7 @@ from reference import (
 
 import jaxcsr
 from jaxcsr import CSRMatrix
-from jaxcsr.kernels import cpu
+from jaxcsr.kernels import cpu, xla
 
 REQUIRED = os.environ.get("JAXCSR_REQUIRE_CPU_KERNELS") == "1"
 if not cpu.available():
@@ -254,6 +254,93 @@ def test_corrupted_structures_never_reach_the_kernel(rng):
     corrupted = jax.tree_util.tree_unflatten(tree, bad)
     with pytest.raises(Exception, match="jaxcsr cpu"):
         jax.block_until_ready(jaxcsr.matmul(corrupted, jnp.ones((4, 3)), impl="cpu"))
+
+
+# ------------------------------------------------------------------ arg search
+def _ties_and_nans(rng, shape, dtype):
+    """Values with many ties (a few distinct values) and some NaNs."""
+    x = rng.integers(-3, 4, shape).astype(np.float32)
+    x[rng.random(shape) < 0.05] = np.nan
+    return jnp.asarray(x, dtype)
+
+
+def _searches(view_of, x, data, reduce):
+    """The native and the fallback's three searches of the max/min, for a view."""
+    view = view_of.structure
+    out = jaxcsr.matmul(view_of, x, reduce=reduce, impl="xla")
+    data = None if view_of.data is None else view_of.data.astype(x.dtype)
+    native, fallback = {}, {}
+    for name, kernel, xla_fn in (
+        ("positions", cpu.arg_positions, xla.extreme_positions),
+        ("columns", cpu.arg_columns, xla.extreme_columns),
+    ):
+        if name == "positions" and view.one_per_column:
+            continue  # searched as columns (the fallback's too)
+        native[name] = np.asarray(jax.jit(kernel)(x, data, view, out))
+        fallback[name] = np.asarray(jax.jit(xla_fn)(x, data, view, out))
+    return native, fallback
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_native_arg_search_matches_the_fallback(rng, kind):
+    """Positions, columns and column masks of max and min, both views, three dtypes,
+    values with ties and NaNs (first hit in CSR or input order), equal to the XLA
+    path's; and return_arg through matmul runs the native search."""
+    A, _ = _matrix(rng, kind)
+    for B in (A, A.T):
+        for dtype in DTYPES:
+            if B.dtype is not None:
+                B = B.with_data(jnp.asarray(_ties_and_nans(rng, B.data.shape, dtype)))
+            for f in (1, 5, 16):
+                x = _ties_and_nans(rng, (B.shape[1], f), dtype)
+                for reduce in ("max", "min"):
+                    native, fallback = _searches(B, x, B.data, reduce)
+                    for name in native:
+                        np.testing.assert_array_equal(native[name], fallback[name], err_msg=name)
+        x = random_values(rng, (B.shape[1], 3)).astype(np.float32)
+        fn = jax.jit(lambda B, x: jaxcsr.matmul(B, x, reduce="max", return_arg=True))
+        if not B.structure.one_per_row:
+            assert "jaxcsr_cpu_arg_search" in fn.lower(B, x).as_text()
+        want = jaxcsr.matmul(B, x, reduce="max", return_arg=True, impl="xla")
+        np.testing.assert_array_equal(fn(B, x)[1], want[1])
+
+
+@pytest.mark.parametrize("kind", ["segment", "hub", "general"])
+def test_native_arg_search_threads_agree(rng, kind):
+    """Above the serial threshold (pieces of columns combined by their minimum; one
+    piece split by features; rows over threads): one thread, all threads and the
+    fallback find the same entries, and the max's gradient (the column mask) is the
+    fallback's."""
+    A, _ = _matrix(rng, kind, m=300, n=1000, k=9000)
+    B, _ = _matrix(rng, "segment", m=3000, k=9000)  # ~3 ids per row: one piece
+    for C, f in ((A, 16), (A, 33), (B, 64)):
+        x = _ties_and_nans(rng, (C.shape[1], f), np.float32)
+        assert C.nnz * f >= SERIAL_WORK
+        out = jaxcsr.matmul(C, x, reduce="max", impl="xla")
+        search = jax.jit(cpu.arg_columns)
+        with cpu.threads(1):
+            one = np.asarray(jax.jit(cpu.arg_columns)(x, None, C.structure, out))
+        every = np.asarray(search(x, None, C.structure, out))
+        np.testing.assert_array_equal(one, every)
+        want = xla.extreme_columns(x, None, C.structure, out)
+        np.testing.assert_array_equal(every, np.asarray(want))
+        x = random_values(rng, (C.shape[1], f)).astype(np.float32)
+        grads = [
+            jax.grad(lambda x, C=C, i=impl: jaxcsr.matmul(C, x, reduce="max", impl=i).sum())(x)
+            for impl in ("cpu", "xla")
+        ]
+        np.testing.assert_array_equal(*grads)
+
+
+def test_native_arg_search_refuses_a_corrupted_row_pointer():
+    """The search kernel's own guard: a row pointer past the entries is an error."""
+    call = jax.ffi.ffi_call("jaxcsr_cpu_arg_search", jax.ShapeDtypeStruct((3, 2), jnp.int32))
+    x, out = jnp.ones((4, 2), jnp.float32), jnp.ones((3, 2), jnp.float32)
+    cols, empty = jnp.asarray([0, 1, 2], jnp.int32), jnp.zeros((0,), jnp.float32)
+    for indptr in ([0, 1, 9, 3], [0, 2, 1, 3], [1, 1, 2, 3]):
+        with pytest.raises(Exception, match="jaxcsr cpu"):
+            indptr = jnp.asarray(indptr, jnp.int32)
+            jax.block_until_ready(call(indptr, cols, empty, x, out, max_threads=np.int64(0)))
 
 
 # ------------------------------------------------------------------ fused softmax

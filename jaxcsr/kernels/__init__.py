@@ -237,6 +237,7 @@ register(
         cpu.describe,
         available=cpu.available,
         sddmm=cpu.sddmm,
+        arg_search=ArgSearch(cpu.arg_positions, cpu.arg_columns, xla.extreme_column_mask),
         softmax=cpu.softmax,
         device_plan=cpu.plan,
         missing="jaxcsr's compiled CPU library (built by pip install with a C++17 compiler)",

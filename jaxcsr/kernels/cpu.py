@@ -59,6 +59,8 @@ from jaxcsr.kernels import xla
 from jaxcsr.structure import Structure
 
 __all__ = [
+    "arg_columns",
+    "arg_positions",
     "available",
     "describe",
     "library_path",
@@ -70,6 +72,7 @@ __all__ = [
 ]
 
 _TARGETS = {
+    "jaxcsr_cpu_arg_search": "JaxcsrArgSearch",
     "jaxcsr_cpu_pull": "JaxcsrCsrPull",
     "jaxcsr_cpu_push": "JaxcsrRowPush",
     "jaxcsr_cpu_sddmm": "JaxcsrSddmm",
@@ -231,3 +234,59 @@ def softmax(x, g, view: Structure, *, out_dtype, fallback):
     g = jnp.zeros((0,), dtype) if g is None else g.astype(dtype)
     call = jax.ffi.ffi_call("jaxcsr_cpu_softmax", jax.ShapeDtypeStruct(x.shape, out_dtype))
     return call(view.indptr, x, g, max_threads=np.int64(_MAX_THREADS))
+
+
+def _arg_operands(x, data, out):
+    """``x``, ``data`` (empty: none) and ``out`` in the product dtype, the kernels'."""
+    dtype = product_dtype(x.dtype, None if data is None else data.dtype)
+    data = jnp.zeros((0,), dtype) if data is None else data.astype(dtype)
+    return x.astype(dtype), data, out.astype(dtype)
+
+
+def _native_search(x, data, view: Structure) -> bool:
+    return runs(view, x.dtype, None if data is None else data.dtype, x.dtype)
+
+
+def _first_columns(x, data, view: Structure, out) -> jax.Array:
+    """One-per-column view: ``(m, F)`` the first column (input order) attaining each
+    output, ``n`` where none does."""
+    x, data, out = _arg_operands(x, data, out)
+    if data.size:
+        data = view.column_values(data)
+    call = jax.ffi.ffi_call(
+        "jaxcsr_cpu_arg_search", jax.ShapeDtypeStruct(out.shape, jnp.int32),
+        vmap_method="sequential",
+    )  # fmt: skip
+    none = jnp.zeros((0,), jnp.int32)
+    return call(none, view.row_of_col.astype(jnp.int32), data, x, out,
+                max_threads=np.int64(_MAX_THREADS))  # fmt: skip
+
+
+def arg_positions(x, data, view: Structure, out) -> jax.Array:
+    """Backend entry (:class:`~jaxcsr.kernels.ArgSearch`): ``(m, F)`` CSR positions of
+    the entries attaining ``out`` (first in CSR order; ``nnz`` for empty rows), natively
+    for general views, by rows over the threads; the fallback's otherwise."""
+    if view.one_per_column or view.one_per_row or not _native_search(x, data, view):
+        return xla.extreme_positions(x, data, view, out)
+    x, data, out = _arg_operands(x, data, out)
+    call = jax.ffi.ffi_call(
+        "jaxcsr_cpu_arg_search", jax.ShapeDtypeStruct(out.shape, jnp.int32),
+        vmap_method="sequential",
+    )  # fmt: skip
+    indptr = view.view_indptr().astype(jnp.int32)
+    cols = view.view_indices().astype(jnp.int32)
+    return call(indptr, cols, data, x, out, max_threads=np.int64(_MAX_THREADS))
+
+
+def arg_columns(x, data, view: Structure, out) -> jax.Array:
+    """Backend entry: ``(m, F)`` columns attaining ``out`` (``n`` for empty rows):
+    one-per-column views search their columns in input order, natively (pieces of
+    consecutive columns over the threads, combined by their minimum); general views
+    map :func:`arg_positions` to columns."""
+    if view.one_per_row or not _native_search(x, data, view):
+        return xla.extreme_columns(x, data, view, out)
+    if view.one_per_column:
+        return _first_columns(x, data, view, out)
+    position = arg_positions(x, data, view, out)
+    columns = jnp.append(view.view_indices().astype(jnp.int32), jnp.int32(view.shape[1]))
+    return columns[position]

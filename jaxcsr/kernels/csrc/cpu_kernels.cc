@@ -658,6 +658,132 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   });
 }
 
+// ------------------------------------------------------------------ arg search
+// The entry attaining each output of a max/min (``return_arg`` and the max/min
+// gradient): the first entry, in CSR order (pull) or input order (push), whose value
+// equals the output, or is NaN where the output is NaN -- the XLA path's search, the
+// same answer. An entry's value is data * x in float32, rounded to the operand dtype
+// (the product's own values; without data, x itself). Results are the first hits,
+// whatever the split: the same for any number of threads.
+template <typename In>
+JAXCSR_INLINE float entry_value(typename In::Storage x, float w, bool weighted) {
+  return weighted ? In::load(In::store(w * In::load(x))) : In::load(x);
+}
+
+JAXCSR_INLINE bool attains(float v, float target) {
+  return v == target || (v != v && target != target);
+}
+
+// Rows [lo, hi) of a general view: pos[r, i] = the first CSR position attaining
+// out[r, i], ``none`` where no entry does (empty rows).
+template <typename In>
+struct ArgPullRows {
+  JAXCSR_INLINE static void run(const int32_t* indptr, const int32_t* cols,
+                                const typename In::Storage* data,
+                                const typename In::Storage* x,
+                                const typename In::Storage* out, int32_t* pos, int64_t f,
+                                int64_t lo, int64_t hi, uint64_t n, int32_t none,
+                                bool& bad) {
+    for (int64_t r = lo; r < hi; ++r) {
+      int32_t* p = pos + r * f;
+      const typename In::Storage* t = out + r * f;
+      std::fill(p, p + f, none);
+      for (int64_t j = indptr[r]; j < indptr[r + 1]; ++j) {
+        const int64_t col = checked_column(cols, j, indptr[r + 1], x, f, n, bad);
+        if (col < 0) continue;
+        const float w = data ? In::load(data[j]) : 1.0f;
+        for (int64_t i = 0; i < f; ++i) {
+          const bool hit = attains(entry_value<In>(x[col * f + i], w, data), In::load(t[i]));
+          p[i] = p[i] == none && hit ? static_cast<int32_t>(j) : p[i];
+        }
+      }
+    }
+  }
+};
+
+// Entries [k0, k1) of a one-per-column view (column k in row ids[k]; ids outside
+// [0, m) dropped), features [0, width) of rows ``stride`` apart: first[r, i] = the
+// first column attaining out[r, i] (``none``: no hit yet), from ``none``.
+template <typename In>
+struct ArgPushEntries {
+  JAXCSR_INLINE static void run(const int32_t* ids, const typename In::Storage* data,
+                                const typename In::Storage* x,
+                                const typename In::Storage* out, int32_t* first, int64_t m,
+                                int64_t stride, int64_t width, int64_t k0, int64_t k1,
+                                int32_t none) {
+    for (int64_t r = 0; r < m; ++r) std::fill(first + r * stride, first + r * stride + width, none);
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t r = ids[k];
+      if (static_cast<uint64_t>(r) >= static_cast<uint64_t>(m)) continue;
+      const float w = data ? In::load(data[k]) : 1.0f;
+      int32_t* p = first + r * stride;
+      const typename In::Storage* t = out + r * stride;
+      for (int64_t i = 0; i < width; ++i) {
+        const bool hit = attains(entry_value<In>(x[k * stride + i], w, data), In::load(t[i]));
+        p[i] = p[i] == none && hit ? static_cast<int32_t>(k) : p[i];
+      }
+    }
+  }
+};
+
+template <typename In>
+bool arg_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+              const int32_t* cols, const typename In::Storage* data,
+              const typename In::Storage* x, const typename In::Storage* out, int32_t* pos,
+              int64_t rows, int64_t f, int64_t n) {
+  const int64_t threads = thread_count(pool, max_threads);
+  const int64_t nnz = indptr[rows];
+  const int64_t chunks = chunk_count((cols ? 2 : 1) * nnz * f + rows, threads, 8);
+  const std::vector<int64_t> starts = row_chunks(indptr, rows, chunks);
+  std::atomic<bool> any_bad{false};
+  parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+    bool bad = false;
+    run_best<ArgPullRows<In>>(indptr, cols, data, x, out, pos, f, starts[c], starts[c + 1],
+                              static_cast<uint64_t>(n), static_cast<int32_t>(nnz), bad);
+    if (bad) any_bad.store(true);
+  });
+  return !any_bad.load();
+}
+
+// As row_push: pieces of consecutive entries with private first hits, combined by
+// their minimum (the first hit of all), or one piece with its features split over
+// the threads.
+template <typename In>
+void arg_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* ids,
+              const typename In::Storage* data, const typename In::Storage* x,
+              const typename In::Storage* out, int32_t* first, int64_t rows,
+              int64_t entries, int64_t f) {
+  const int64_t threads = entries * f < kSerialWork ? 1 : thread_count(pool, max_threads);
+  const int64_t by_memory = (int64_t{8} << 20) / (4 * std::max<int64_t>(rows * f, 1));
+  const int64_t pieces = std::max<int64_t>(1, std::min(threads, by_memory));
+  const int32_t none = static_cast<int32_t>(entries);
+  if (pieces > 1) {
+    std::vector<int32_t> partials((pieces - 1) * rows * f);
+    parallel_chunks(pool, pieces, threads, [&](int64_t p) {
+      int32_t* mine = p == 0 ? first : partials.data() + (p - 1) * rows * f;
+      run_best<ArgPushEntries<In>>(ids, data, x, out, mine, rows, f, f,
+                                   entries * p / pieces, entries * (p + 1) / pieces, none);
+    });
+    const int64_t chunks = chunk_count(rows * f * pieces, threads, 4);
+    parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+      const int64_t lo = rows * f * c / chunks, hi = rows * f * (c + 1) / chunks;
+      for (int64_t p = 1; p < pieces; ++p) {
+        const int32_t* part = partials.data() + (p - 1) * rows * f;
+        for (int64_t i = lo; i < hi; ++i) first[i] = std::min(first[i], part[i]);
+      }
+    });
+    return;
+  }
+  const int64_t line = 64 / sizeof(typename In::Storage), lines = f / line;
+  const int64_t blocks = std::max<int64_t>(1, std::min(threads, lines));
+  parallel_chunks(pool, blocks, threads, [&](int64_t b) {
+    const int64_t c0 = line * (lines * b / blocks);
+    const int64_t c1 = b + 1 == blocks ? f : line * (lines * (b + 1) / blocks);
+    run_best<ArgPushEntries<In>>(ids, data, x + c0, out + c0, first + c0, rows, f, c1 - c0,
+                                 0, entries, none);
+  });
+}
+
 // ------------------------------------------------------------------ dispatch
 // Kernel<In, Out, Op>::run(args...) for the operand dtype, output dtype and reduction.
 template <template <typename, typename, typename> class Kernel, typename... Args>
@@ -774,6 +900,70 @@ ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                               y->untyped_data(), rows, entries, x.dimensions()[1]);
 }
 
+
+template <typename In>
+struct ArgKernel {
+  static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+                        const int32_t* index, const void* data, const void* x,
+                        const void* out, int32_t* result, int64_t rows, int64_t entries,
+                        int64_t f, int64_t n) {
+    using S = typename In::Storage;
+    const S* d = static_cast<const S*>(data);
+    if (indptr == nullptr) {
+      arg_push<In>(pool, max_threads, index, d, static_cast<const S*>(x),
+                   static_cast<const S*>(out), result, rows, entries, f);
+      return ffi::Error::Success();
+    }
+    if (!arg_pull<In>(pool, max_threads, indptr, index, d, static_cast<const S*>(x),
+                      static_cast<const S*>(out), result, rows, f, n))
+      return ffi::Error::InvalidArgument("jaxcsr cpu: a column index is out of range");
+    return ffi::Error::Success();
+  }
+};
+
+// The max/min arg search. A row pointer (rows + 1 values) searches a general view by
+// rows: (rows, F) CSR positions, nnz where no entry attains. Without one (empty),
+// ``index`` holds the row of each column of a one-per-column view: (rows, F) first
+// columns, the number of columns where none does.
+ffi::Error ArgSearchImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
+                         ffi::Buffer<ffi::S32> index, ffi::AnyBuffer data, ffi::AnyBuffer x,
+                         ffi::AnyBuffer out, ffi::Result<ffi::Buffer<ffi::S32>> result,
+                         int64_t max_threads) {
+  auto xd = x.dimensions(), od = out.dimensions(), rd = result->dimensions();
+  if (xd.size() != 2 || od.size() != 2 || rd.size() != 2 || od[1] != xd[1] ||
+      rd[0] != od[0] || rd[1] != od[1] || out.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("jaxcsr cpu: operand/output shapes do not match");
+  const int64_t rows = od[0], f = xd[1], n = xd[0];
+  const bool has_data = data.element_count() > 0;
+  if (has_data && data.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("jaxcsr cpu: data/operand dtypes do not match");
+  const int64_t count = static_cast<int64_t>(index.element_count());
+  const int32_t* pointer = nullptr;
+  if (indptr.element_count() > 0) {
+    pointer = indptr.typed_data();
+    const int64_t nnz = pointer[rows];
+    if (static_cast<int64_t>(indptr.element_count()) != rows + 1 || nnz < 0 ||
+        !valid_indptr(pointer, rows, nnz) || (count > 0 && count != nnz) ||
+        (count == 0 && nnz > n) ||
+        (has_data && static_cast<int64_t>(data.element_count()) != nnz))
+      return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
+  } else if (count != n || (has_data && static_cast<int64_t>(data.element_count()) != n)) {
+    return ffi::Error::InvalidArgument("jaxcsr cpu: ids/data/operand do not match");
+  }
+  const int32_t* cols = pointer && count == 0 ? nullptr : index.typed_data();
+  auto go = [&](auto tag) {
+    return ArgKernel<decltype(tag)>::run(pool, max_threads, pointer, cols,
+                                         has_data ? data.untyped_data() : nullptr,
+                                         x.untyped_data(), out.untyped_data(),
+                                         result->typed_data(), rows, n, f, n);
+  };
+  switch (x.element_type()) {
+    case ffi::DataType::F32: return go(F32{});
+    case ffi::DataType::BF16: return go(BF16{});
+    case ffi::DataType::F16: return go(F16{});
+    default: return ffi::Error::InvalidArgument("jaxcsr cpu: unsupported operand dtype");
+  }
+}
 
 // ------------------------------------------------------------------ SDDMM
 // out[j] = sum_f ct[row_j, f] * x[col_j, f] (float32 sums, stored in out's dtype).
@@ -1299,6 +1489,17 @@ auto product_binding() {
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrCsrPull, CsrPullImpl, product_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrRowPush, RowPushImpl, product_binding());
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrArgSearch, ArgSearchImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("max_threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrSddmm, SddmmImpl,
                               ffi::Ffi::Bind()
