@@ -560,7 +560,11 @@ for trial in range(3):
                         A.T @ y,  # one entry per row: the gather
                         traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1)),
                         jaxcsr.sddmm(G, jnp.asarray(rng.standard_normal((m, f)), dtype), x),
-                        jaxcsr.sddmm(A.T, v, jnp.asarray(rng.standard_normal((m, f)), dtype))):
+                        jaxcsr.sddmm(A.T, v, jnp.asarray(rng.standard_normal((m, f)), dtype)),
+                        # the arg search: first columns (pieces), CSR positions (rows)
+                        jaxcsr.matmul(A, v, reduce="max", return_arg=True),
+                        jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce="min",
+                                      return_arg=True)):
                 jax.block_until_ready(out)
             if dtype != (np.float32, jnp.bfloat16, np.float16)[trial % 3]:
                 continue  # the softmax on one dtype per trial (each jit is slow here)

@@ -12,7 +12,7 @@ one module and one :func:`register` call (here, or from user code: the set of va
 * :mod:`jaxcsr.kernels.xla` -- pure XLA (and kernels jaxlib already ships); runs on
   every platform, plans nothing, and is the :func:`fallback`: what runs when no
   kernel is planned or chosen, and what answers the values' gradient (``sddmm``) and
-  the max/min arg search for every backend.
+  the max/min arg search for every backend without its own.
 * :mod:`jaxcsr.kernels.gpu` -- Pallas Triton kernel (load-balanced row work items).
 * :mod:`jaxcsr.kernels.tpu` -- Pallas Mosaic kernel (block-sparse one-hot MXU tiles).
 * :mod:`jaxcsr.kernels.cpu` -- C++ kernels through XLA FFI (multithreaded sums).
@@ -81,7 +81,10 @@ class Backend:
       available: whether this jax can run it (a Pallas backend may be missing).
       sddmm: ``(ct, x, view, *, out_dtype) -> (nnz,)``, the sampled product (the
         fallback's is used for every backend; ``None``: none of its own).
-      arg_search: an :class:`ArgSearch` (the fallback's is used for every backend).
+      arg_search: an :class:`ArgSearch`, run on this backend's platform (chosen when
+        lowered, :func:`jaxcsr.ops.arg_search`) where the matrix carries its plan;
+        ``None``: the fallback's. With one, one-per-column max/min tangents are taken
+        at its ``columns``; ``column_mask`` serves the fallback's masked sum.
       softmax: ``(x, g, view, *, out_dtype, fallback) -> (n, H)``, fused: the softmax
         of ``x`` over the rows of a one-per-column ``view`` (``g`` is ``None``), or
         the softmax's tangent from its output ``x = p``, ``p * g - p * rowsum(p *

@@ -15,9 +15,15 @@ thread count: results are bit-identical for any number of threads.
 ``push``
     The one-per-column view of unsorted segment ids: 1, 2 or 4 pieces of consecutive
     ids (fixed by the sizes) each add ``x[k]`` to row ``ids[k]`` of their own float32
-    partial, combined in piece order; ``x`` is streamed rather than gathered at random
+    partial, combined in piece order (one piece splits its features over the threads
+    instead, in blocks of 64-byte lines); ``x`` is streamed rather than gathered at random
     (a pull through the sort permutation is latency-bound), and no id is skipped (a
     row owner skipping other rows' ids mispredicts a branch per id in random order).
+``arg search``
+    The first entry attaining each max/min (``return_arg``, the max/min gradient;
+    :func:`arg_positions`, :func:`arg_columns`): by rows over the threads for general
+    views; for one-per-column views over the columns in input order, in pieces
+    combined by their minimum (or one piece with its features split over threads).
 ``gather``
     One entry per row (the backward of a segment sum, ``y[i] = data_i * x[ids[i]]``):
     rows copied in their dtype, split over threads.
@@ -32,11 +38,11 @@ thread count: results are bit-identical for any number of threads.
     are multiples of 16, the same bits either way; within 1 ulp of float64 on every
     float32 input in [-110, 90], checked exhaustively).
 
-Products of fewer than 2^17 elements run on the calling thread alone.
+Products of fewer than 2^17 elements run on the calling thread alone (a gathered
+value counts twice).
 
-Float64 and integers run on the XLA path (:mod:`jaxcsr.kernels.xla`), as does the arg search
-of ``return_arg`` and the max/min gradient (the fallback's, for every backend). The
-backend plans nothing beyond the portable core. Without the library (no compiler at
+Float64 and integers run on the XLA path (:mod:`jaxcsr.kernels.xla`). The backend plans
+nothing beyond the portable core. Without the library (no compiler at
 install time) :func:`available` is False: products fall back to XLA, with one
 warning per process.
 """
