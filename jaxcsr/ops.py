@@ -576,7 +576,13 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
     s = index.structure
     if ad.is_undefined_primal(x):
         t_data = None if data is None else s.transpose_values(data)
-        x_ct = product(ct, t_data, index.transpose(), **params)
+        t_index = index.transpose()
+        if params["accumulate"] and data is None and t_index.structure.one_per_row:
+            # a row gather (the mean's backward): each value is one of ct's, so round
+            # ct to x's dtype first and gather that, not an (n, F) float32 copy
+            ct = ct.astype(x.aval.dtype)
+            params = {**params, "accumulate": False}
+        x_ct = product(ct, t_data, t_index, **params)
         cts[0] = x_ct.astype(x.aval.dtype)
     if data is not None and ad.is_undefined_primal(data):  # the sampled product
         cts[1] = sample(ct[:, None], x[:, None], opaque(index), out_dtype=data.aval.dtype)[:, 0]

@@ -159,3 +159,28 @@ def test_jit_compiles_once_for_equal_structures(rng):
     )
     np.testing.assert_allclose(float(loss(params, A2, x)), expected, rtol=1e-4)
     assert len(traces) == 1
+
+
+@pytest.mark.parametrize("impl", [None, "xla"])
+def test_mean_backward_gathers_in_the_operand_dtype(rng, impl):
+    """The mean's backward is a row gather of ct / degree: ct is rounded to the values'
+    dtype first (each gradient value is one of its values, so the bits are those of
+    gathering in float32 and rounding); the native gather forms no (E, F) float32
+    array (the XLA path's float32 round trip is XLA's to fold)."""
+    import jaxcsr
+
+    ids = power_law_ids(rng, 150, 23)
+    v = jnp.asarray(random_values(rng, (150, 8)), jnp.bfloat16)
+    ct = jnp.asarray(random_values(rng, (23, 8)), jnp.bfloat16)
+
+    def backward(v, ct):
+        return jax.vjp(lambda v: jaxcsr.segment_mean(v, ids, 23, impl=impl), v)[1](ct)[0]
+
+    grad = jax.jit(backward)(v, ct)
+    degree = np.maximum(np.bincount(ids, minlength=23), 1)[:, None]
+    per_row = (np.asarray(ct, np.float32) / degree.astype(np.float32)).astype(jnp.bfloat16)
+    assert grad.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(grad), per_row[ids])
+    if impl is None and jax.default_backend() == "cpu":
+        hlo = jax.jit(backward).lower(v, ct).as_text()
+        assert "jaxcsr_cpu_gather" in hlo and "150x8xf32" not in hlo, hlo[-3000:]
