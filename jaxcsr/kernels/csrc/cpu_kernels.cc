@@ -1087,11 +1087,37 @@ ffi::Error SddmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
 // y[r] = data[r] * x[cols[r]] (one entry per row: the segment sum's backward); a
 // column outside [0, n) is an empty row (0). Rows are independent: any split gives
 // the same bits. One-valued rows of one dtype are copied as they are.
+// Rows [lo, hi) of a plain gather of rows of ``Bytes`` bytes: one fixed-size copy
+// each (whole vector loads and stores), zeros for columns outside [0, n).
+template <int Bytes>
+JAXCSR_INLINE void gather_rows_of(const int32_t* cols, const char* x, char* y, int64_t n,
+                                  int64_t lo, int64_t hi) {
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t c = cols[r];
+    if (static_cast<uint64_t>(c) >= static_cast<uint64_t>(n)) {
+      std::memset(y + r * Bytes, 0, Bytes);
+    } else {
+      std::memcpy(y + r * Bytes, x + c * Bytes, Bytes);
+    }
+  }
+}
+
 template <typename In, typename Out>
 JAXCSR_INLINE void gather_body(const int32_t* cols, const typename In::Storage* data,
                                const typename In::Storage* x, typename Out::Storage* y,
                                int64_t n, int64_t f, int64_t lo, int64_t hi) {
   constexpr bool same = std::is_same<In, Out>::value;
+  if (same && !data) {  // rows of 32 to 256 bytes: fixed-size copies, no loop per row
+    const char* from = reinterpret_cast<const char*>(x);
+    char* to = reinterpret_cast<char*>(y);
+    switch (f * static_cast<int64_t>(sizeof(typename Out::Storage))) {
+      case 32: return gather_rows_of<32>(cols, from, to, n, lo, hi);
+      case 64: return gather_rows_of<64>(cols, from, to, n, lo, hi);
+      case 128: return gather_rows_of<128>(cols, from, to, n, lo, hi);
+      case 256: return gather_rows_of<256>(cols, from, to, n, lo, hi);
+      default: break;
+    }
+  }
   for (int64_t r = lo; r < hi; ++r) {
     const int64_t c = cols[r];
     typename Out::Storage* yr = y + r * f;
