@@ -513,7 +513,7 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
             return masked_sum(x, data, out, x_dot, data_dot)
         # A kernel's own search: the tangents at the (m, F) attaining columns, whose
         # transpose scatters m * F values (the mask's product and where pass n * F).
-        branches = {p: _at_columns(own[p].columns, s, x_live, data_live) for p in own}
+        branches = {p: _at_columns(own[p].columns, s) for p in own}
         return jax.lax.platform_dependent(
             x, data, out, x_dot if x_live else None, data_dot if data_live else None,
             default=masked_sum, **branches,
@@ -522,18 +522,35 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
     valid = position < nnz
     position = jnp.minimum(position, nnz - 1)
     columns = s.view_indices()[position]  # (m, F)
-    acc = accumulation_dtype(out.dtype)
-    tangent = jnp.zeros(out.shape, acc)
-    if x_live:
-        part = jnp.take_along_axis(x_dot, columns, axis=0).astype(acc)
-        tangent = tangent + (part if data is None else part * data[position].astype(acc))
-    if data_live:
-        part = jnp.take_along_axis(x, columns, axis=0).astype(acc)
-        tangent = tangent + part * data_dot[position].astype(acc)
-    return jnp.where(valid, tangent, 0).astype(out.dtype)
+    at = _Attaining(columns, valid, lambda values: values[position])
+    return at.tangent(x, data, out, x_dot if x_live else None, data_dot if data_live else None)
 
 
-def _at_columns(columns_of, structure: Structure, x_live: bool, data_live: bool):
+@dataclasses.dataclass(frozen=True)
+class _Attaining:
+    """The entries attaining a max/min: ``columns`` ``(m, F)`` of X (valid where
+    ``valid``), and ``weights(v)``, per-entry values ``v`` (the matrix data or its
+    tangent) taken there."""
+
+    columns: jax.Array
+    valid: jax.Array
+    weights: Any
+
+    def tangent(self, x, data, out, x_dot, data_dot) -> jax.Array:
+        """``x_dot * data + x * data_dot`` at the attaining entries (a ``None``
+        tangent: none), 0 where none attains; in ``out``'s dtype."""
+        acc = accumulation_dtype(out.dtype)
+        total = jnp.zeros(out.shape, acc)
+        if x_dot is not None:
+            part = jnp.take_along_axis(x_dot, self.columns, axis=0).astype(acc)
+            total = total + (part if data is None else part * self.weights(data).astype(acc))
+        if data_dot is not None:
+            part = jnp.take_along_axis(x, self.columns, axis=0).astype(acc)
+            total = total + part * self.weights(data_dot).astype(acc)
+        return jnp.where(self.valid, total, 0).astype(out.dtype)
+
+
+def _at_columns(columns_of, structure: Structure):
     """One-per-column views: the max/min's tangent from the ``(m, F)`` columns that
     ``columns_of`` finds (``n``: an empty row, tangent 0), ``x_dot[column] * data`` plus
     ``x[column] * data_dot`` at each."""
@@ -543,17 +560,8 @@ def _at_columns(columns_of, structure: Structure, x_live: bool, data_live: bool)
         columns = jax.lax.stop_gradient(columns_of(x, data, structure, out))
         valid = columns < n
         columns = jnp.minimum(columns, n - 1)
-        acc = accumulation_dtype(out.dtype)
-        total = jnp.zeros(out.shape, acc)
-        if x_live:
-            part = jnp.take_along_axis(x_dot, columns, axis=0).astype(acc)
-            if data is not None:
-                part = part * structure.column_values(data)[columns].astype(acc)
-            total = total + part
-        if data_live:
-            part = jnp.take_along_axis(x, columns, axis=0).astype(acc)
-            total = total + part * structure.column_values(data_dot)[columns].astype(acc)
-        return jnp.where(valid, total, 0).astype(out.dtype)
+        at = _Attaining(columns, valid, lambda values: structure.column_values(values)[columns])
+        return at.tangent(x, data, out, x_dot, data_dot)
 
     return tangent
 

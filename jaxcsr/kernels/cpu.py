@@ -253,19 +253,24 @@ def _native_search(x, data, view: Structure) -> bool:
     return runs(view, x.dtype, None if data is None else data.dtype, x.dtype)
 
 
+def _search(indptr, index, data, x, out) -> jax.Array:
+    """The search kernel: ``(m, F)`` int32 (a row pointer: CSR positions; none, and
+    ``index`` the row of each column: first columns)."""
+    call = jax.ffi.ffi_call(
+        "jaxcsr_cpu_arg_search", jax.ShapeDtypeStruct(out.shape, jnp.int32),
+        vmap_method="sequential",
+    )  # fmt: skip
+    return call(indptr, index, data, x, out, max_threads=np.int64(_MAX_THREADS))
+
+
 def _first_columns(x, data, view: Structure, out) -> jax.Array:
     """One-per-column view: ``(m, F)`` the first column (input order) attaining each
     output, ``n`` where none does."""
     x, data, out = _arg_operands(x, data, out)
     if data.size:
         data = view.column_values(data)
-    call = jax.ffi.ffi_call(
-        "jaxcsr_cpu_arg_search", jax.ShapeDtypeStruct(out.shape, jnp.int32),
-        vmap_method="sequential",
-    )  # fmt: skip
     none = jnp.zeros((0,), jnp.int32)
-    return call(none, view.row_of_col.astype(jnp.int32), data, x, out,
-                max_threads=np.int64(_MAX_THREADS))  # fmt: skip
+    return _search(none, view.row_of_col.astype(jnp.int32), data, x, out)
 
 
 def arg_positions(x, data, view: Structure, out) -> jax.Array:
@@ -275,13 +280,8 @@ def arg_positions(x, data, view: Structure, out) -> jax.Array:
     if view.one_per_column or view.one_per_row or not _native_search(x, data, view):
         return xla.extreme_positions(x, data, view, out)
     x, data, out = _arg_operands(x, data, out)
-    call = jax.ffi.ffi_call(
-        "jaxcsr_cpu_arg_search", jax.ShapeDtypeStruct(out.shape, jnp.int32),
-        vmap_method="sequential",
-    )  # fmt: skip
     indptr = view.view_indptr().astype(jnp.int32)
-    cols = view.view_indices().astype(jnp.int32)
-    return call(indptr, cols, data, x, out, max_threads=np.int64(_MAX_THREADS))
+    return _search(indptr, view.view_indices().astype(jnp.int32), data, x, out)
 
 
 def arg_columns(x, data, view: Structure, out) -> jax.Array:

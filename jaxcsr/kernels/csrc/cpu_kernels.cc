@@ -234,6 +234,47 @@ std::vector<int64_t> row_chunks(const int32_t* indptr, int64_t rows, int64_t chu
   return starts;
 }
 
+// Rows split into chunks of about equal work over the threads, ``body(lo, hi, bad)``
+// for each: the pull loops' split (a gathered value, read at a column at random,
+// counts as two streamed ones: PubMed SpMM, F = 1, 128k entries and rows, 0.17 ms on
+// one thread, 0.12 ms on two). Returns false if some chunk set ``bad`` (a column
+// outside x).
+template <typename Body>
+bool over_row_chunks(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+                     int64_t rows, int64_t f, bool gathered, Body body) {
+  const int64_t threads = thread_count(pool, max_threads);
+  const int64_t work = (gathered ? 2 : 1) * int64_t{indptr[rows]} * f + rows;
+  const int64_t chunks = chunk_count(work, threads, 8);
+  const std::vector<int64_t> starts = row_chunks(indptr, rows, chunks);
+  std::atomic<bool> any_bad{false};
+  parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+    bool bad = false;
+    body(starts[c], starts[c + 1], bad);
+    if (bad) any_bad.store(true);
+  });
+  return !any_bad.load();
+}
+
+// The features [0, f) split over ``threads`` in blocks of whole 64-byte lines of an
+// operand of ``Storage``, ``body(c0, c1)`` for each (one block below two lines).
+template <typename Storage, typename Body>
+void over_feature_blocks(ffi::ThreadPool& pool, int64_t threads, int64_t f, Body body) {
+  const int64_t line = 64 / sizeof(Storage), lines = f / line;
+  const int64_t blocks = std::max<int64_t>(1, std::min(threads, lines));
+  parallel_chunks(pool, blocks, threads, [&](int64_t b) {
+    const int64_t c0 = line * (lines * b / blocks);
+    const int64_t c1 = b + 1 == blocks ? f : line * (lines * (b + 1) / blocks);
+    body(c0, c1);
+  });
+}
+
+// rows[r * stride : r * stride + width] = value for r in [0, m): a block of columns
+// (or all of them) of a row-major array.
+template <typename T>
+JAXCSR_INLINE void fill_columns(T* rows, int64_t m, int64_t stride, int64_t width, T value) {
+  for (int64_t r = 0; r < m; ++r) std::fill(rows + r * stride, rows + r * stride + width, value);
+}
+
 // ------------------------------------------------------------------ eight lanes
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
@@ -489,7 +530,7 @@ template <typename In, typename Out, typename Op, int V>
 JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage* data,
                                   const typename In::Storage* x, float* acc, int64_t m,
                                   int64_t stride, int64_t width, int64_t k0, int64_t k1) {
-  for (int64_t r = 0; r < m; ++r) std::fill(acc + r * stride, acc + r * stride + width, Op::init);
+  fill_columns(acc, m, stride, width, Op::init);
   constexpr int64_t kAhead = 16;
   for (int64_t k = k0; k < k1; ++k) {
     if (width > 1 && k + kAhead < k1) {
@@ -587,21 +628,13 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const int32_t* cols, const typename In::Storage* data,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
               int64_t f, int64_t n) {
-  const int64_t threads = thread_count(pool, max_threads);
-  const int64_t nnz = indptr[rows];
-  // a gathered value (read at a column, at random) counts as two streamed ones: PubMed
-  // SpMM, F = 1 (128k entries and rows): 0.17 ms on one thread, 0.12 ms on two
-  const int64_t chunks = chunk_count((cols ? 2 : 1) * nnz * f + rows, threads, 8);
-  const std::vector<int64_t> starts = row_chunks(indptr, rows, chunks);
-  std::atomic<bool> any_bad{false};
-  parallel_chunks(pool, chunks, threads, [&](int64_t c) {
-    std::vector<float> acc(f);
-    bool bad = false;
-    run_best<PullRows<In, Out, Op>>(indptr, cols, data, x, y, f, starts[c], starts[c + 1],
-                                    acc.data(), static_cast<uint64_t>(n), bad);
-    if (bad) any_bad.store(true);
-  });
-  return !any_bad.load();
+  return over_row_chunks(pool, max_threads, indptr, rows, f, cols != nullptr,
+                         [&](int64_t lo, int64_t hi, bool& bad) {
+                           std::vector<float> acc(f);
+                           run_best<PullRows<In, Out, Op>>(indptr, cols, data, x, y, f, lo, hi,
+                                                           acc.data(),
+                                                           static_cast<uint64_t>(n), bad);
+                         });
 }
 
 // The push product in P pieces of consecutive entries, P fixed by the sizes alone
@@ -636,11 +669,7 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                                       entries * p / pieces, entries * (p + 1) / pieces);
     });
   } else {
-    const int64_t line = 64 / sizeof(typename In::Storage), lines = f / line;
-    const int64_t blocks = std::max<int64_t>(1, std::min(threads, lines));
-    parallel_chunks(pool, blocks, threads, [&](int64_t b) {
-      const int64_t c0 = line * (lines * b / blocks);
-      const int64_t c1 = b + 1 == blocks ? f : line * (lines * (b + 1) / blocks);
+    over_feature_blocks<typename In::Storage>(pool, threads, f, [&](int64_t c0, int64_t c1) {
       run_best<PushRows<In, Out, Op>>(ids, data, x + c0, first + c0, rows, f, c1 - c0, 0,
                                       entries);
     });
@@ -711,7 +740,7 @@ struct ArgPushEntries {
                                 const typename In::Storage* out, int32_t* first, int64_t m,
                                 int64_t stride, int64_t width, int64_t k0, int64_t k1,
                                 int32_t none) {
-    for (int64_t r = 0; r < m; ++r) std::fill(first + r * stride, first + r * stride + width, none);
+    fill_columns(first, m, stride, width, none);
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t r = ids[k];
       if (static_cast<uint64_t>(r) >= static_cast<uint64_t>(m)) continue;
@@ -731,18 +760,12 @@ bool arg_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const int32_t* cols, const typename In::Storage* data,
               const typename In::Storage* x, const typename In::Storage* out, int32_t* pos,
               int64_t rows, int64_t f, int64_t n) {
-  const int64_t threads = thread_count(pool, max_threads);
-  const int64_t nnz = indptr[rows];
-  const int64_t chunks = chunk_count((cols ? 2 : 1) * nnz * f + rows, threads, 8);
-  const std::vector<int64_t> starts = row_chunks(indptr, rows, chunks);
-  std::atomic<bool> any_bad{false};
-  parallel_chunks(pool, chunks, threads, [&](int64_t c) {
-    bool bad = false;
-    run_best<ArgPullRows<In>>(indptr, cols, data, x, out, pos, f, starts[c], starts[c + 1],
-                              static_cast<uint64_t>(n), static_cast<int32_t>(nnz), bad);
-    if (bad) any_bad.store(true);
-  });
-  return !any_bad.load();
+  const int32_t none = indptr[rows];  // nnz
+  return over_row_chunks(pool, max_threads, indptr, rows, f, cols != nullptr,
+                         [&](int64_t lo, int64_t hi, bool& bad) {
+                           run_best<ArgPullRows<In>>(indptr, cols, data, x, out, pos, f, lo,
+                                                     hi, static_cast<uint64_t>(n), none, bad);
+                         });
 }
 
 // As row_push: pieces of consecutive entries with private first hits, combined by
@@ -774,11 +797,7 @@ void arg_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* ids,
     });
     return;
   }
-  const int64_t line = 64 / sizeof(typename In::Storage), lines = f / line;
-  const int64_t blocks = std::max<int64_t>(1, std::min(threads, lines));
-  parallel_chunks(pool, blocks, threads, [&](int64_t b) {
-    const int64_t c0 = line * (lines * b / blocks);
-    const int64_t c1 = b + 1 == blocks ? f : line * (lines * (b + 1) / blocks);
+  over_feature_blocks<typename In::Storage>(pool, threads, f, [&](int64_t c0, int64_t c1) {
     run_best<ArgPushEntries<In>>(ids, data, x + c0, out + c0, first + c0, rows, f, c1 - c0,
                                  0, entries, none);
   });
