@@ -138,7 +138,7 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float]
 def to_numpy(out: Any) -> np.ndarray:
     """Any system's output as a float32 numpy array (for the correctness check)."""
     if hasattr(out, "detach"):  # torch
-        out = out.detach().float().numpy()
+        out = out.detach().float().cpu().numpy()
     elif hasattr(out, "todense") and not isinstance(out, np.ndarray):
         out = out.todense()
     return np.asarray(out, dtype=np.float32)

@@ -13,6 +13,16 @@ from jaxcsr import CSRMatrix
 ALL = ("xla", "pallas_gpu", "pallas_tpu")
 """Every backend: what tests that run the kernels in interpret mode plan for."""
 
+GPU_INTERPRET = jax.default_backend() != "gpu"
+"""``interpret`` for ``impl="pallas_gpu"`` in tests: compiled Triton on a CUDA machine
+(``benchmarks/hardware/gpu_session.sh`` runs the kernel tests there), interpret mode
+elsewhere."""
+
+
+def interpret_for(impl: str) -> bool:
+    """``interpret`` for a kernel backend in tests: the TPU kernel always interprets."""
+    return GPU_INTERPRET if impl == "pallas_gpu" else True
+
 
 def random_values(rng: np.random.Generator, shape, dtype=np.float32) -> np.ndarray:
     """Random values away from 0 and 1 (never all zeros, never all ones)."""

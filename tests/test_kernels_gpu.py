@@ -11,6 +11,7 @@ import pytest
 from gpu_sass import TRITON_CALL, export_for_cuda
 from reference import (
     ALL,
+    GPU_INTERPRET,
     assert_close,
     assert_kernel_grads,
     dense_of,
@@ -26,7 +27,7 @@ from jaxcsr.kernels import gpu
 
 
 def gpu_matmul(A, x):
-    return jaxcsr.matmul(A, x, impl="pallas_gpu", interpret=True)
+    return jaxcsr.matmul(A, x, impl="pallas_gpu", interpret=GPU_INTERPRET)
 
 
 def _one_heavy_row_ids(rng, size, num_rows):
@@ -59,7 +60,7 @@ def test_max_min_across_split_rows(rng, reduce):
     v = random_values(rng, (300, 5)).astype(np.float32)
     v[idx == 6, 0] = -1e30  # the heavy row's column 0: all very negative but one
     v[np.flatnonzero(idx == 6)[200], 0] = 3.0
-    out = jaxcsr.matmul(A, v, reduce=reduce, impl="pallas_gpu", interpret=True)
+    out = jaxcsr.matmul(A, v, reduce=reduce, impl="pallas_gpu", interpret=GPU_INTERPRET)
     pick = np.max if reduce == "max" else np.min
     for r in range(13):
         members = v[idx == r]
@@ -118,7 +119,9 @@ def test_hub_row_with_90_percent_of_nonzeros(rng, n_features, dtype):
     v = random_values(rng, (3000, n_features)).astype(dtype)
     # every reduce in float32; the 16-bit cases the sum (float32 accumulation) and max
     for reduce in REDUCES if dtype == np.float32 else ("sum", "max"):
-        out = jaxcsr.matmul(A, jnp.asarray(v), impl="pallas_gpu", interpret=True, reduce=reduce)
+        out = jaxcsr.matmul(
+            A, jnp.asarray(v), impl="pallas_gpu", interpret=GPU_INTERPRET, reduce=reduce
+        )
         assert out.dtype == np.dtype(dtype)
         assert_close(out, segment_reference(v, idx, 40, reduce), dtype)
 
@@ -131,7 +134,7 @@ def test_few_segments_over_400k_values(rng, num_segments):
     for n_features, dtype in ((1, np.float32), (3, np.float32), (16, jnp.bfloat16)):
         v = random_values(rng, (400_000, n_features)).astype(dtype)
         for reduce in ("sum", "max"):
-            out = jaxcsr.matmul(A, v, impl="pallas_gpu", interpret=True, reduce=reduce)
+            out = jaxcsr.matmul(A, v, impl="pallas_gpu", interpret=GPU_INTERPRET, reduce=reduce)
             expected = segment_reference(v, idx, num_segments, reduce)
             if reduce == "sum" and dtype == np.float32:  # 17k-400k terms per sum
                 bound = 2e-6 * np.abs(v.astype(np.float64)).sum() / num_segments
@@ -148,7 +151,7 @@ def test_two_runs_are_bit_identical(rng):
     idx = _hub_ids(rng, 5000, 300, 0.3)
     A = CSRMatrix.from_indices(idx, num_rows=300, backends=ALL)
     v = jnp.asarray(random_values(rng, (5000, 20)), jnp.float32)
-    f = jax.jit(lambda v: jaxcsr.matmul(A, v, impl="pallas_gpu", interpret=True))
+    f = jax.jit(lambda v: jaxcsr.matmul(A, v, impl="pallas_gpu", interpret=GPU_INTERPRET))
     first, second = np.asarray(f(v)), np.asarray(f(v))
     np.testing.assert_array_equal(first.view(np.int32), second.view(np.int32))
     assert_close(first, segment_reference(v, idx, 300), np.float32)
@@ -162,7 +165,7 @@ def test_nan_propagates_through_both_passes(rng, reduce):
     v[hub[700], 1] = np.nan  # deep in the long row's chunks
     v[short[0], 2] = np.nan
     A = CSRMatrix.from_indices(idx, num_rows=9, backends=ALL)
-    out = np.asarray(jaxcsr.matmul(A, v, impl="pallas_gpu", interpret=True, reduce=reduce))
+    out = np.asarray(jaxcsr.matmul(A, v, impl="pallas_gpu", interpret=GPU_INTERPRET, reduce=reduce))
     expected = segment_reference(v, idx, 9, reduce)
     np.testing.assert_array_equal(np.isnan(out), np.isnan(expected))
     assert np.isnan(out[3, 1]) and np.isnan(out[5, 2])
@@ -178,7 +181,7 @@ def test_grads_through_both_passes(rng):
     for reduce in REDUCES:
 
         def loss(w, v, impl, reduce=reduce):
-            kw = {"interpret": True} if impl == "pallas_gpu" else {}
+            kw = {"interpret": GPU_INTERPRET} if impl == "pallas_gpu" else {}
             out = jaxcsr.matmul(A.with_data(w), v, impl=impl, reduce=reduce, **kw)
             return jnp.sum(out * ct)
 
@@ -288,7 +291,9 @@ def test_gpu_benchmark_script_smoke(tmp_path):
         ("segment_max", "fwd"),
         ("segment_max", "bwd"),
     }
+    assert result["failures"] == [] and result["skipped_groups"] == []
     for row in result["rows"]:
+        assert row["status"] == "ok"
         assert "error" not in row["systems"]["jaxcsr_pallas"]  # the kernel itself ran
         assert row["systems"]["jaxcsr_pallas"]["rel_error_vs_pallas"] == 0.0  # the reference
         assert row["systems"]["jaxcsr_xla"]["rel_error_vs_pallas"] <= 1e-4

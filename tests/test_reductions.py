@@ -15,9 +15,11 @@ from gpu_sass import TRITON_CALL, export_for_cuda
 from jax import export
 from reference import (
     ALL,
+    GPU_INTERPRET,
     assert_close,
     check_product_grads,
     dense_of,
+    interpret_for,
     power_law_ids,
     random_csr,
     random_values,
@@ -31,7 +33,7 @@ from jaxcsr import CSRMatrix
 REDUCES = ["sum", "mean", "max", "min"]
 EXTREMES = ["max", "min"]
 # (impl, interpret): the XLA path and both Pallas kernels in interpret mode.
-PATHS = [("xla", False), ("pallas_gpu", True), ("pallas_tpu", True)]
+PATHS = [("xla", False), ("pallas_gpu", GPU_INTERPRET), ("pallas_tpu", True)]
 
 
 def structure(rng, kind: str) -> CSRMatrix:
@@ -113,14 +115,19 @@ def test_xla_path_matches_reference(rng, reduce, kind, dtype):
 def test_kernels_match_reference(rng, impl, reduce, kind, dtype):
     A = structure(rng, kind)
     x = random_values(rng, (A.shape[1], 5)).astype(dtype)
-    out = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl=impl, interpret=True)
+    out = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl=impl, interpret=interpret_for(impl))
     expected, _ = reduce_reference(A, x, reduce)
     assert_close(out, expected, dtype)
     if reduce in EXTREMES:  # max/min are exact: every path gives the same bits
         xla = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl="xla")
         np.testing.assert_array_equal(np.asarray(out), np.asarray(xla))
         _, arg = jaxcsr.matmul(
-            A, jnp.asarray(x), reduce=reduce, impl=impl, interpret=True, return_arg=True
+            A,
+            jnp.asarray(x),
+            reduce=reduce,
+            impl=impl,
+            interpret=interpret_for(impl),
+            return_arg=True,
         )
         check_arg(A, x, out, arg, reduce, dtype)
 
@@ -139,7 +146,7 @@ def test_kernels_match_reference(rng, impl, reduce, kind, dtype):
 def test_kernels_on_every_structure_class(rng, impl, reduce, kind, dtype):
     A = structure(rng, kind)
     x = random_values(rng, (A.shape[1], 3)).astype(dtype)
-    out = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl=impl, interpret=True)
+    out = jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl=impl, interpret=interpret_for(impl))
     expected, _ = reduce_reference(A, x, reduce)
     assert out.dtype == (np.dtype(dtype) if A.data is None else np.float32)
     assert_close(out, expected, dtype)
@@ -151,13 +158,15 @@ def test_kernels_on_every_structure_class(rng, impl, reduce, kind, dtype):
 @pytest.mark.parametrize("impl", ["pallas_gpu", "pallas_tpu"])
 def test_kernels_with_zero_features_and_vmapped_values(rng, impl):
     A = structure(rng, "weighted")
-    empty = jaxcsr.matmul(A, jnp.zeros((A.shape[1], 0)), impl=impl, interpret=True)
+    empty = jaxcsr.matmul(A, jnp.zeros((A.shape[1], 0)), impl=impl, interpret=interpret_for(impl))
     assert empty.shape == (A.shape[0], 0)
     x = random_values(rng, (A.shape[1], 2)).astype(np.float32)
     datas = random_values(rng, (2, A.nnz)).astype(np.float32)
 
     def product(d):
-        return jaxcsr.matmul(A.with_data(d), jnp.asarray(x), impl=impl, interpret=True)
+        return jaxcsr.matmul(
+            A.with_data(d), jnp.asarray(x), impl=impl, interpret=interpret_for(impl)
+        )
 
     out = jax.vmap(product)(jnp.asarray(datas))
     rows = np.repeat(np.arange(A.shape[0]), np.diff(np.asarray(A.indptr)))
@@ -437,7 +446,7 @@ F16 = (jnp.float16, [40000.0, 40000.0, 1.5], [40000.0, 1.5])  # the f16 sum was 
 
 @pytest.mark.parametrize(
     "dtype,values,expected,impl,interpret",
-    [(*INT8, "xla", False), (*F16, "xla", False), (*F16, "pallas_gpu", True)],
+    [(*INT8, "xla", False), (*F16, "xla", False), (*F16, "pallas_gpu", GPU_INTERPRET)],
 )
 def test_mean_divides_before_rounding(dtype, values, expected, impl, interpret):
     A = CSRMatrix.from_indices(np.array([0, 0, 1]), num_rows=2, backends=ALL)
