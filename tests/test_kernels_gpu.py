@@ -297,7 +297,11 @@ def test_gpu_benchmark_script_smoke(tmp_path):
         assert "error" not in row["systems"]["jaxcsr_pallas"]  # the kernel itself ran
         assert row["systems"]["jaxcsr_pallas"]["rel_error_vs_pallas"] == 0.0  # the reference
         assert row["systems"]["jaxcsr_xla"]["rel_error_vs_pallas"] <= 1e-4
-    assert (tmp_path / "gpu_results.md").exists()
+    table = (tmp_path / "gpu_results.md").read_text()
+    (tmp_path / "gpu_results.md").unlink()
+    main(["--render", str(tmp_path / "gpu_results.json")])  # the table again, from the JSON
+    assert (tmp_path / "gpu_results.md").read_text() == table
+    assert "| cora | segment | fwd | 8 | float32 | ok |" in table
 
 
 MISSING_TRITON = """

@@ -98,6 +98,12 @@ def _parse(argv):
         "--deadline", type=float, default=None, help="seconds after which no new group starts"
     )
     p.add_argument("--smoke", action="store_true", help="CPU, interpret mode, tiny input")
+    p.add_argument(
+        "--render",
+        type=Path,
+        default=None,
+        help="rewrite the gpu_results.md beside this gpu_results.json (no GPU needed)",
+    )
     args = p.parse_args(argv)
     args.graphs = [g for g in args.graphs.split(",") if g and _graph_present(g)]
     args.segments = [int(k) for k in args.segments.split(",") if k]
@@ -269,20 +275,48 @@ def _run_cell(systems, repeats, deterministic_check):
     return results, failure
 
 
-def _write(args, result) -> list[str]:
-    """Writes ``gpu_results.json`` and ``gpu_results.md``; returns the table's lines."""
+KERNEL, XLA_PATH = "jaxcsr_pallas", "jaxcsr_xla"
+PRESORTED = "segment_sum_sorted"  # its values come sorted: the sort is not charged
+
+
+def _ratios(row) -> tuple[str, str]:
+    """The kernel's speed-up over the best peer that takes the same unsorted inputs
+    (``peer / kernel``, and which peer), and over jaxcsr's XLA path."""
+    systems = row["systems"]
+    kernel = systems.get(KERNEL, {}).get("median_s")
+    if kernel is None:
+        return "-", "-"
+    peers = {
+        k: v["median_s"]
+        for k, v in systems.items()
+        if k not in (KERNEL, XLA_PATH, PRESORTED) and "median_s" in v
+    }
+    best = min(peers, key=peers.get) if peers else None
+    vs_peer = "-" if best is None else f"{peers[best] / kernel:.2f}x {best}"
+    xla = systems.get(XLA_PATH, {}).get("median_s")
+    return vs_peer, "-" if xla is None else f"{xla / kernel:.2f}x"
+
+
+def render(result) -> list[str]:
+    """The markdown table of one run: every system's ms (% of copy bandwidth), then the
+    kernel's ratios."""
     rows = result["rows"]
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "gpu_results.json").write_text(json.dumps(result, indent=1))
     systems = list(dict.fromkeys(s for r in rows for s in r["systems"]))
     md = [
         f"# jaxcsr GPU benchmark ({result['date']}, {result['device']}, jax {result['jax']})",
         "",
-        f"HBM copy bandwidth: {result['copy_gbps']:.0f} GB/s. Cells: ms (% of copy bandwidth "
-        "at the cell's floor bytes); `error`: the system raised (see the JSON).",
+        f"`{result.get('command', 'python -m benchmarks.hardware.on_gpu')}`",
         "",
-        "| graph | workload | pass | N | dtype | status | " + " | ".join(systems) + " |",
-        "|" + "---|" * (6 + len(systems)),
+        f"HBM copy bandwidth: {result['copy_gbps']:.0f} GB/s. Cells: ms (% of copy bandwidth "
+        "at the cell's floor bytes); `error`: the system raised (see the JSON). "
+        f"`vs best peer`: the best peer's time over the kernel's, among peers given the "
+        f"same unsorted inputs (`{PRESORTED}` is given values sorted outside the timing); "
+        "`vs XLA path`: jaxcsr's `impl=\"xla\"` time over the kernel's.",
+        "",
+        "| graph | workload | pass | N | dtype | status | vs best peer | vs XLA path | "
+        + " | ".join(systems)
+        + " |",
+        "|" + "---|" * (8 + len(systems)),
     ]
     for r in rows:
         cells = []
@@ -295,16 +329,33 @@ def _write(args, result) -> list[str]:
                 if "error" in v
                 else f"{v['median_s'] * 1e3:.3f} ({v['pct_copy_bw']:.0f}%)"
             )
+        vs_peer, vs_xla = _ratios(r)
         md.append(
             f"| {r['graph']} | {r['workload']} | {r['pass_']} | {r['n']} | {r['dtype']} | "
-            f"{r['status']} | " + " | ".join(cells) + " |"
+            f"{r['status']} | {vs_peer} | {vs_xla} | " + " | ".join(cells) + " |"
         )
-    (args.out / "gpu_results.md").write_text("\n".join(md) + "\n")
+    if result.get("skipped_groups"):
+        md += ["", "Past `--deadline`, not run: " + ", ".join(result["skipped_groups"]) + "."]
+    return md
+
+
+def _write(out: Path, result) -> list[str]:
+    """Writes ``gpu_results.json`` and ``gpu_results.md``; returns the table's lines."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu_results.json").write_text(json.dumps(result, indent=1))
+    md = render(result)
+    (out / "gpu_results.md").write_text("\n".join(md) + "\n")
     return md
 
 
 def main(argv=None) -> dict:
     args = _parse(argv)
+    if args.render is not None:
+        result = json.loads(args.render.read_text())
+        md = render(result)
+        (args.render.parent / "gpu_results.md").write_text("\n".join(md) + "\n")
+        print("\n".join(md))
+        return result
     start = time.perf_counter()
     platform = jax.default_backend()
     if not args.smoke and platform != "gpu":
@@ -373,8 +424,8 @@ def main(argv=None) -> dict:
             )
             print(f"{label}: {line}" + (f" FAILED: {failure}" if failure else ""), flush=True)
         result["failures"] = failures
-        _write(args, result)
-    md = _write(args, result)
+        _write(args.out, result)
+    md = _write(args.out, result)
     print("\n".join(md))
     if result["skipped_groups"]:
         print(f"past --deadline, not run: {', '.join(result['skipped_groups'])}")
