@@ -599,7 +599,11 @@ class CSRMatrix(SparseOperand):
         return matmul(self, other)
 
     def __rmatmul__(self, other: Any) -> jax.Array:
-        """``X @ A`` for ``X`` of shape ``(..., m)``: contracts X's last axis."""
+        """``X @ A`` for ``X`` of shape ``(..., m)``: contracts X's last axis.
+
+        Runs as a feature-major product: ``X`` is read as it is stored, one feature per
+        row, and the result written the same way (the CPU kernels take that layout
+        directly; other backends get ``A.T @ X.T`` between transposes)."""
         x = as_numeric(other, "X")
         if x.ndim == 0:
             raise ValueError("X must have rank >= 1, got a scalar (shape ())")
@@ -607,8 +611,14 @@ class CSRMatrix(SparseOperand):
             raise ValueError(
                 f"X.shape[-1] must equal A.shape[0] = {self.shape[0]}, got X.shape = {x.shape}"
             )
-        out = matmul(self.T, jnp.moveaxis(x, -1, 0))
-        return jnp.moveaxis(out, 0, -1)
+        lead = x.shape[:-1]
+        rows = x.reshape(int(np.prod(lead, dtype=np.int64)), self.shape[0])
+        t = self.T
+        out = ops.reduce_rows(
+            rows, t.data, t.index, reduce="sum", return_arg=False, impl=None, interpret=False,
+            feature_major=True,
+        )  # fmt: skip
+        return out.reshape((*lead, self.shape[1]))
 
     def product(
         self, x: jax.Array, *, reduce: str, return_arg: bool, impl: str | None, interpret: bool

@@ -19,7 +19,10 @@ has values, then the leaves of the :class:`Index` (the portable
 ``index_tree`` (the Index's treedef: layout, view and which plans are present),
 ``has_data``, ``reduce`` (``"sum"``, ``"max"`` or ``"min"``), ``accumulate`` (return
 the sum in the accumulation dtype -- float32 for 16-bit floats -- instead of rounding
-it to the product dtype; what the mean divides), ``impl`` and ``interpret``.
+it to the product dtype; what the mean divides), ``feature_major`` (``x`` is ``(F, n)``
+and the result ``(F, m)``: the layout of ``values @ A.T``; sums only), ``impl`` and
+``interpret``. A backend without feature-major products (:attr:`Backend.feature_major
+<jaxcsr.kernels.Backend>`) gets the transposes around its row-major product.
 
 The sum is bilinear in ``(X, data)``: its JVP binds the primitive on the tangents and
 its transpose is the product with the transposed view (and an SDDMM for ``data``).
@@ -147,10 +150,15 @@ def _unpack(operands: Any, index_tree, has_data: bool) -> tuple[Any, Any, Index]
     return x, data, jax.tree_util.tree_unflatten(index_tree, rest)
 
 
-def product(x, data, index: Index, *, accumulate: bool = False, **params) -> jax.Array:
+def product(
+    x, data, index: Index, *, accumulate: bool = False, feature_major: bool = False, **params
+) -> jax.Array:
     """Binds the primitive: ``A @ x`` for a 2-D ``x``; ``params`` are ``reduce``,
     ``impl`` and ``interpret``. Returns ``(m, F)`` in the product dtype, or in its
-    accumulation dtype with ``accumulate=True``."""
+    accumulation dtype with ``accumulate=True``; with ``feature_major=True`` (sums
+    only), ``x`` is ``(F, n)`` and the result ``(F, m)``."""
+    if feature_major and params["reduce"] != "sum":
+        raise ValueError(f"feature_major products are sums, got reduce={params['reduce']!r}")
     leaves, index_tree = jax.tree_util.tree_flatten(index)
     operands = [x, *([] if data is None else [data]), *leaves]
     return csr_matmul_p.bind(
@@ -158,6 +166,7 @@ def product(x, data, index: Index, *, accumulate: bool = False, **params) -> jax
         index_tree=index_tree,
         has_data=data is not None,
         accumulate=accumulate,
+        feature_major=feature_major,
         **params,
     )
 
@@ -199,30 +208,37 @@ def reduce_rows(
     return_arg: bool,
     impl: str | None,
     interpret: bool,
+    feature_major: bool = False,
 ) -> Any:
     """``A @ x`` for a 2-D ``x`` with any of :data:`REDUCTIONS` (validated by the caller).
 
     ``"mean"`` divides the sum, carried in the accumulation dtype, by the row degrees
     (floor division for integers) and rounds once; a view with one entry per row is
     its own max/min, so it runs the sum. ``return_arg`` adds the column attaining each
-    max/min (sentinel ``n`` for empty rows), found by :func:`arg_search`.
+    max/min (sentinel ``n`` for empty rows), found by :func:`arg_search`. With
+    ``feature_major`` (sum and mean, no arg), ``x`` is ``(F, n)`` and the result
+    ``(F, m)``.
     """
     s = index.structure
     semiring = reduce
     if reduce == "mean" or (reduce in EXTREMES and s.one_per_row):
         semiring = "sum"
+    if feature_major and (semiring != "sum" or return_arg):
+        raise ValueError("feature_major products are sums and means, without return_arg")
     out = product(
         x,
         data,
         index,
         reduce=semiring,
         accumulate=reduce == "mean",
+        feature_major=feature_major,
         impl=impl,
         interpret=interpret,
     )
     if reduce == "mean":
         dtype = product_dtype(x.dtype, None if data is None else data.dtype)
-        out = _divide_by_degree(out, s, dtype)
+        out = _divide_by_degree(out.T if feature_major else out, s, dtype)
+        out = out.T if feature_major else out
     if not return_arg:
         return out
     x, data, found = jax.lax.stop_gradient((x, data, out))
@@ -412,26 +428,31 @@ def _lowered_impl(
     index_tree,
     has_data,
     accumulate: bool,
+    feature_major: bool,
     reduce: str,
     impl,
     interpret: bool,
     platform: str,
 ) -> jax.Array:
-    """What runs on one platform: the chosen backend's product."""
+    """What runs on one platform: the chosen backend's product (between transposes,
+    for a feature-major product on a backend without them)."""
     x, data, index = _unpack(operands, index_tree, has_data)
     s = index.structure
     data_dtype = None if data is None else data.dtype
     out_dtype = _out_dtype(x.dtype, data_dtype, accumulate)
-    if _is_empty(s, x.shape[1]):
-        return jnp.zeros((s.shape[0], x.shape[1]), out_dtype)
+    width = x.shape[0] if feature_major else x.shape[1]
+    if _is_empty(s, width):
+        shape = (width, s.shape[0]) if feature_major else (s.shape[0], width)
+        return jnp.zeros(shape, out_dtype)
     backend = backend_for(impl, platform, index, x.dtype, data_dtype)
     if backend.platform not in (None, platform) and not interpret:
         raise NotImplementedError(
             f"impl={backend.name!r} needs platform {backend.platform!r} (platform is "
             f"{platform!r}); pass interpret=True to run it in Pallas interpret mode"
         )
-    return backend.product(
-        x,
+    native = feature_major and backend.feature_major
+    out = backend.product(
+        x.T if feature_major and not native else x,
         data,
         s,
         index.plans.get(backend.name),
@@ -439,7 +460,9 @@ def _lowered_impl(
         out_dtype=out_dtype,
         interpret=interpret,
         platform=platform,
+        **({"feature_major": True} if native else {}),
     )
+    return out.T if feature_major and not native else out
 
 
 @functools.cache
@@ -457,11 +480,12 @@ def_jitted_impl(sddmm_p)
 
 
 @csr_matmul_p.def_abstract_eval
-def _abstract_eval(*operands, index_tree, has_data, accumulate, **params):
+def _abstract_eval(*operands, index_tree, has_data, accumulate, feature_major, **params):
     del params
     x, data, index = _unpack(operands, index_tree, has_data)
     dtype = _out_dtype(x.dtype, None if data is None else data.dtype, accumulate)
-    return ShapedArray((index.structure.shape[0], x.shape[1]), dtype)
+    m = index.structure.shape[0]
+    return ShapedArray((x.shape[0], m) if feature_major else (m, x.shape[1]), dtype)
 
 
 # ------------------------------------------------------------------------ JVP
@@ -593,7 +617,10 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
         x_ct = product(ct, t_data, t_index, **params)
         cts[0] = x_ct.astype(x.aval.dtype)
     if data is not None and ad.is_undefined_primal(data):  # the sampled product
-        cts[1] = sample(ct[:, None], x[:, None], opaque(index), out_dtype=data.aval.dtype)[:, 0]
+        ct_rows, x_rows = (ct.T, x.T) if params["feature_major"] else (ct, x)
+        cts[1] = sample(
+            ct_rows[:, None], x_rows[:, None], opaque(index), out_dtype=data.aval.dtype
+        )[:, 0]
     return cts
 
 
@@ -612,6 +639,12 @@ def _batch(batched_args, batch_dims, *, index_tree, has_data, **params):
 
         return map_over_batch(bind, batched_args, batch_dims), 0
     m = index.structure.shape[0]
+    if data_bd is None and params["feature_major"]:
+        # Fold the batch into the feature axis: (B, F, n) -> (B * F, n).
+        x3 = jnp.moveaxis(x, x_bd, 0)
+        b, f, n = x3.shape
+        out = product(x3.reshape(b * f, n), data, index, **params)
+        return out.reshape(b, f, m), 0
     if data_bd is None:
         # Fold the batch into the feature axis: (n, B, F) -> (n, B * F).
         x3 = jnp.moveaxis(x, x_bd, 1)

@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 from reference import (
     assert_close,
+    dense_of,
     entry_rows,
     power_law_ids,
     random_csr,
@@ -222,6 +223,72 @@ def test_one_piece_push_splits_features_over_threads(rng, dtype):
             want, _ = reduce_reference(A, np.asarray(x, np.float64), reduce)
             assert_close(y, want, dtype)
             np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_feature_major_products_match_float64(rng, kind):
+    """``values @ B`` contracts the last axis of values ``(F, m)``: the kernels read and
+    write that layout as stored (push, pull and the gather of the backward). Both views,
+    three dtypes, widths 1, 3, 16 and 33, forward and the operand's gradient against
+    float64; the compiled products hold no transpose."""
+    A, _ = _matrix(rng, kind)
+    fwd = jax.jit(lambda B, v: v @ B)
+    bwd = jax.jit(lambda B, v, ct: jax.vjp(lambda v: v @ B, v)[1](ct)[0])
+    for B in (A, A.T):
+        for dtype in DTYPES:
+            if B.dtype is not None:  # the reference reads the values as rounded
+                B = B.with_data(B.data.astype(dtype))
+            dense = dense_of(B)
+            for f in (1, 3, 16, 33):
+                v = random_values(rng, (f, B.shape[0])).astype(dtype)
+                ct = random_values(rng, (f, B.shape[1])).astype(dtype)
+                out = fwd(B, v)
+                assert out.dtype == np.dtype(dtype) and out.shape == (f, B.shape[1])
+                assert_close(out, np.asarray(v, np.float64) @ dense, dtype)
+                assert_close(bwd(B, v, ct), np.asarray(ct, np.float64) @ dense.T, dtype)
+        v, ct = jnp.ones((4, B.shape[0]), jnp.float32), jnp.ones((4, B.shape[1]), jnp.float32)
+        for compiled in (fwd.lower(B, v).compile(), bwd.lower(B, v, ct).compile()):
+            text = compiled.as_text()
+            assert "jaxcsr_cpu_" in text and " transpose(" not in text, text[-3000:]
+
+
+@pytest.mark.parametrize("kind", ["hub", "segment", "segment_sorted", "general"])
+def test_feature_major_threads_agree_bit_for_bit(rng, kind):
+    """Feature-major push, pull and gather: one thread and all give the same bits."""
+    A, _ = _matrix(rng, kind, m=300, n=1000, k=9000)
+    every = jax.jit(lambda B, v: v @ B)
+    with cpu.threads(1):
+        one = jax.jit(lambda B, v: v @ B)
+    for B in (A, A.T):
+        for dtype in (np.float32, jnp.bfloat16):
+            for f in (1, 20, 64):
+                v = random_values(rng, (f, B.shape[0])).astype(dtype)
+                assert B.nnz * 20 >= SERIAL_WORK
+                np.testing.assert_array_equal(np.asarray(one(B, v)), np.asarray(every(B, v)))
+
+
+def test_feature_major_gather_streams_large_outputs(rng):
+    """The backward of ``values @ A.T`` for a segment matrix is a gather ``ct[:, ids]``;
+    past 64 MiB of output it is written with non-temporal stores (rows split over the
+    threads at any alignment). Ids outside the rows (padding) give 0."""
+    m, k, f = 1000, 1_000_003, 17
+    ids = rng.integers(0, m, k).astype(np.int32)
+    A = CSRMatrix.from_indices(ids, m)
+    ct = random_values(rng, (f, m)).astype(np.float32)
+    assert k * f * 4 > 64 << 20
+    grad = jax.jit(lambda B, ct: jax.vjp(lambda v: v @ B.T, jnp.zeros((f, k)))[1](ct)[0])
+    np.testing.assert_array_equal(np.asarray(grad(A, ct)), ct[:, ids])
+    with cpu.threads(1):
+        one = jax.jit(lambda B, ct: jax.vjp(lambda v: v @ B.T, jnp.zeros((f, k)))[1](ct)[0])
+        np.testing.assert_array_equal(np.asarray(one(A, ct)), ct[:, ids])
+    padded = jax.jit(
+        lambda ids, ct: jax.vjp(
+            lambda v: v @ CSRMatrix.from_indices(ids, m).T, jnp.zeros((f, 40)))[1](ct)[0]
+    )  # fmt: skip
+    few = rng.integers(0, m, 40).astype(np.int32)  # traced ids: outside ones dropped
+    few[rng.choice(40, 4, replace=False)] = [-3, -1, m, m + 2]
+    want = np.where((few >= 0) & (few < m), ct[:, np.clip(few, 0, m - 1)], 0.0)
+    np.testing.assert_array_equal(np.asarray(padded(jnp.asarray(few), ct)), want)
 
 
 def test_gradients_through_the_native_products(rng):

@@ -10,6 +10,8 @@ import scipy.sparse as sp
 from reference import (
     ALL,
     assert_close,
+    dense_of,
+    interpret_for,
     power_law_ids,
     random_csr,
     random_values,
@@ -17,7 +19,7 @@ from reference import (
 )
 
 import jaxcsr
-from jaxcsr import CSRMatrix
+from jaxcsr import CSRMatrix, kernels, ops
 from jaxcsr.kernels import xla as xla_kernels
 
 DTYPES = [np.float32, jnp.bfloat16, np.float16]
@@ -80,6 +82,50 @@ def test_last_axis_scatter(rng, dtype):
     expected = np.moveaxis(segment_reference(np.moveaxis(values, -1, 0), idx, 33), 0, -1)
     assert out.shape == (2, 3, 33)
     assert_close(out, expected, dtype)
+
+
+@pytest.mark.parametrize("impl", ["xla", "cpu", "pallas_gpu", "pallas_tpu"])
+def test_feature_major_products_on_every_backend(rng, impl):
+    """``values @ A.T`` is a feature-major product (values ``(F, n)`` as stored, result
+    ``(F, m)``); backends without feature-major products get it between transposes.
+    Sum and mean of a general matrix with values and of a segment matrix: forward,
+    the gradients of the operand and of the values, and vmap, against float64."""
+    if impl == "cpu" and not kernels.BACKENDS["cpu"].available():
+        pytest.skip("the CPU library is not built")
+    general = CSRMatrix.from_scipy(random_csr(rng, 23, 17, "empty_rows"), backends=ALL)
+    segment = CSRMatrix.from_indices(power_law_ids(rng, 90, 23), num_rows=23, backends=ALL)
+
+    def run(B, v, reduce="sum", data=None):
+        return ops.reduce_rows(
+            v, B.data if data is None else data, B.index, reduce=reduce, return_arg=False,
+            impl=impl, interpret=interpret_for(impl), feature_major=True,
+        )  # fmt: skip
+
+    def check(B):
+        dense = dense_of(B)
+        degree = np.maximum((dense != 0).sum(axis=1), 1)
+        v = random_values(rng, (5, B.shape[1])).astype(np.float32)
+        v64 = v.astype(np.float64)
+        assert_close(run(B, v), v64 @ dense.T, np.float32)
+        if B.dtype is None:
+            assert_close(run(B, v, "mean"), v64 @ dense.T / degree, np.float32)
+        ct = random_values(rng, (5, B.shape[0])).astype(np.float32)
+        grad_v = jax.grad(lambda v: jnp.sum(run(B, v) * ct))(v)
+        assert_close(grad_v, ct.astype(np.float64) @ dense, np.float32)
+        if B.dtype is not None:
+            grad_d = jax.grad(lambda d: jnp.sum(run(B, v, data=d) * ct))(B.data)
+            rows = np.repeat(np.arange(B.shape[0]), np.diff(B.to_scipy().tocsr().indptr))
+            want = np.sum(ct[:, rows] * v[:, B.to_scipy().tocsr().indices], axis=0)
+            assert_close(grad_d, want, np.float32)  # the values in B's CSR order
+        batch = random_values(rng, (3, 5, B.shape[1])).astype(np.float32)
+        out = jax.vmap(lambda v: run(B, v))(batch)
+        assert_close(out, np.einsum("bfn,mn->bfm", batch.astype(np.float64), dense), np.float32)
+
+    check(general)
+    check(segment)
+    with pytest.raises(ValueError, match="feature_major products are sums"):
+        ops.product(jnp.ones((2, 17)), None, segment.T.index, reduce="max", impl=None,
+                    interpret=False, feature_major=True)  # fmt: skip
 
 
 def test_vector_operand_and_transpose(rng):

@@ -91,6 +91,9 @@ class Backend:
         g)[row]``; calls ``fallback()`` (the XLA composition) for what it does not
         take. ``None``: the composition runs, on this backend's products.
       missing: what is missing when :attr:`available` is False (for the messages).
+      feature_major: whether ``product`` takes ``feature_major=True``: ``x`` as ``(F, n)``
+        and the result as ``(F, m)`` (the layout of ``values @ A.T``), without
+        transposes. Without it the primitive transposes around the row-major product.
       device_plan: ``Structure (device leaves, may be traced) -> plan pytree``, the
         twin of ``plan`` in ``jnp``/``lax``, for matrices planned inside a trace
         (traced ids); equal to ``plan``'s result element for element. ``None``: the
@@ -109,6 +112,7 @@ class Backend:
     arg_search: ArgSearch | None = None
     softmax: Callable[..., jax.Array] | None = None
     device_plan: Callable[[Structure], Any] | None = None
+    feature_major: bool = False
     missing: str = "the Pallas backend this kernel is written in"
 
     def require_available(self) -> None:
@@ -243,6 +247,7 @@ register(
         arg_search=ArgSearch(cpu.arg_positions, cpu.arg_columns, xla.extreme_column_mask),
         softmax=cpu.softmax,
         device_plan=cpu.plan,
+        feature_major=True,
         missing="jaxcsr's compiled CPU library (built by pip install with a C++17 compiler)",
     )
 )

@@ -159,26 +159,33 @@ def runs(view: Structure, x_dtype, data_dtype, out_dtype) -> bool:
     )
 
 
-def product(x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret, platform):
-    """Backend entry: the viewed matrix times ``x`` with ``reduce``, natively."""
+def product(
+    x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret, platform,
+    feature_major=False,
+):  # fmt: skip
+    """Backend entry: the viewed matrix times ``x`` with ``reduce``, natively. With
+    ``feature_major``, ``x`` is ``(F, n)`` and the result ``(F, m)``: every kernel
+    reads and writes that layout as it is."""
     del cpu_plan, interpret
     data_dtype = None if data is None else data.dtype
     if platform != "cpu" or not runs(view, x.dtype, data_dtype, out_dtype):
-        return xla.product(
-            x, data, view, None, reduce=reduce, out_dtype=out_dtype, interpret=False,
-            platform=platform,
+        out = xla.product(
+            x.T if feature_major else x, data, view, None, reduce=reduce,
+            out_dtype=out_dtype, interpret=False, platform=platform,
         )  # fmt: skip
+        return out.T if feature_major else out
     dtype = product_dtype(x.dtype, data_dtype)
     x = x.astype(dtype)
-    m, f = view.shape[0], x.shape[1]
-    out = jax.ShapeDtypeStruct((m, f), out_dtype)
+    m = view.shape[0]
+    out = jax.ShapeDtypeStruct((x.shape[0], m) if feature_major else (m, x.shape[1]), out_dtype)
     none = jnp.zeros((0,), dtype)
-    attrs = {"max_threads": np.int64(_MAX_THREADS), "reduce": np.int64(_REDUCE[reduce])}
+    layout = {"max_threads": np.int64(_MAX_THREADS), "feature_major": np.int64(feature_major)}
+    attrs = {**layout, "reduce": np.int64(_REDUCE[reduce])}
     if view.one_per_row:  # y[i] = data_i * x[col_i]: a row gather, no reduction
         values = none if data is None else view.row_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_gather", out)
         cols = view.row_of_col.astype(jnp.int32)  # empty rows (past n, padded: < 0): 0
-        return call(cols, values, x, max_threads=attrs["max_threads"])
+        return call(cols, values, x, **layout)
     if kernel_for(view) == "push":
         values = none if data is None else view.column_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_push", out)

@@ -20,6 +20,8 @@
 // run time. Everything is checked in Python before the call; the checks here guard
 // memory.
 
+#include <immintrin.h>
+
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
@@ -530,7 +532,6 @@ template <typename In, typename Out, typename Op, int V>
 JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage* data,
                                   const typename In::Storage* x, float* acc, int64_t m,
                                   int64_t stride, int64_t width, int64_t k0, int64_t k1) {
-  fill_columns(acc, m, stride, width, Op::init);
   constexpr int64_t kAhead = 16;
   for (int64_t k = k0; k < k1; ++k) {
     if (width > 1 && k + kAhead < k1) {
@@ -604,11 +605,14 @@ struct PullRows {
   }
 };
 
-template <typename In, typename Out, typename Op>
+// The push body over entries [k0, k1); with Fill, into partials filled first with the
+// reduction's identity (without: adding to partials an earlier call left).
+template <typename In, typename Out, typename Op, bool Fill = true>
 struct PushRows {
   JAXCSR_INLINE static void run(const int32_t* ids, const typename In::Storage* data,
                                 const typename In::Storage* x, float* acc, int64_t m,
                                 int64_t stride, int64_t width, int64_t k0, int64_t k1) {
+    if constexpr (Fill) fill_columns(acc, m, stride, width, Op::init);
     if constexpr (!std::is_same<In, F16>::value && std::is_same<In, Out>::value) {
       switch (width) {
         case 8: return push_rows_body<In, Out, Op, 1>(ids, data, x, acc, m, stride, 8, k0, k1);
@@ -686,6 +690,139 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
       store_row<Out>(y + r * f, first + r * f, f, indptr[r + 1] == indptr[r]);
   });
 }
+
+// ------------------------------------------------------------------ feature-major
+// Operands stored one feature per row -- x (f, n) and y (f, rows), row-major -- the
+// layout of ``values @ A.T`` (values (f, n)), taken as it is rather than transposed
+// into and out of a row-major product.
+
+// Ids and features are taken in tiles of kFmTile ids.
+constexpr int64_t kFmTile = 256;
+// Outputs larger than this (twice the last-level cache of the machines measured) are
+// written with non-temporal stores where a kernel says so.
+constexpr int64_t kStreamBytes = int64_t{64} << 20;
+
+
+// Push (unsorted ids): features in blocks of 16 (of 8 when that gives every thread a
+// block), one block per thread at a time. A block's (width, kFmTile) tile of x is
+// transposed in cache into kFmTile rows of ``width`` and pushed by the row-major body
+// into the block's (rows, width) float32 partial, which is stored transposed at the
+// end. Each feature is reduced over every id in input order on one thread: the same
+// bits for any number of threads.
+template <typename In, typename Out, typename Op>
+void push_feature_major(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+                        const int32_t* ids, const typename In::Storage* data,
+                        const typename In::Storage* x, typename Out::Storage* y,
+                        int64_t rows, int64_t entries, int64_t f) {
+  using S = typename In::Storage;
+  const int64_t threads = entries * f < kSerialWork ? 1 : thread_count(pool, max_threads);
+  const int64_t width = f >= 16 * threads ? 16 : 8;
+  const int64_t blocks = (f + width - 1) / width;
+  parallel_chunks(pool, blocks, threads, [&](int64_t b) {
+    const int64_t f0 = b * width, w = std::min(width, f - f0);
+    std::vector<float> acc(rows * w);
+    std::vector<S> tile(kFmTile * w);
+    fill_columns(acc.data(), rows, w, w, Op::init);
+    for (int64_t k0 = 0; k0 < entries; k0 += kFmTile) {
+      const int64_t kn = std::min(kFmTile, entries - k0);
+      for (int64_t i = 0; i < w; ++i) {
+        const S* from = x + (f0 + i) * entries + k0;
+        for (int64_t k = 0; k < kn; ++k) tile[k * w + i] = from[k];
+      }
+      run_best<PushRows<In, Out, Op, false>>(ids + k0, data ? data + k0 : nullptr,
+                                             tile.data(), acc.data(), rows, w, w,
+                                             int64_t{0}, kn);
+    }
+    for (int64_t i = 0; i < w; ++i) {
+      typename Out::Storage* to = y + (f0 + i) * rows;
+      for (int64_t r = 0; r < rows; ++r)
+        to[r] = Out::store(indptr[r + 1] == indptr[r] ? 0.0f : acc[r * w + i]);
+    }
+  });
+}
+
+// Pull (general views, sorted ids): the one-feature pull of each row of x into the
+// same row of y; features over the threads when there are at least as many as
+// threads, else one after another, each over the threads. Returns false if a column
+// index was outside [0, n).
+template <typename In, typename Out, typename Op>
+bool pull_feature_major(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+                        const int32_t* cols, const typename In::Storage* data,
+                        const typename In::Storage* x, typename Out::Storage* y,
+                        int64_t rows, int64_t f, int64_t n) {
+  const int64_t threads = thread_count(pool, max_threads);
+  std::atomic<bool> ok{true};
+  auto one = [&](int64_t k, int64_t inner) {
+    if (!csr_pull<In, Out, Op>(pool, inner, indptr, cols, data, x + k * n, y + k * rows, rows,
+                               1, n))
+      ok.store(false);
+  };
+  if (threads > 1 && f >= threads && int64_t{indptr[rows]} * f >= kSerialWork) {
+    parallel_chunks(pool, f, threads, [&](int64_t k) { one(k, 1); });
+  } else {
+    for (int64_t k = 0; k < f; ++k) one(k, max_threads);
+  }
+  return ok.load();
+}
+
+// Gather (one entry per row, the backward of ``values @ A.T``): y[k, r] = data[r] *
+// x[k, cols[r]] for features [f0, f1) and rows [r0, r1), through ``at``, the columns
+// checked once for every feature (a column outside [0, n) reads column 0 here and its
+// rows are zeroed afterwards, so the loop has no branch). Each feature's rows are one
+// sequential stream of y; plain rows of 4-byte elements are gathered eight at a time.
+// Every output is written once: any split, the same bits.
+// With ``stream``, whole 32-byte blocks of ``to`` are written with non-temporal stores
+// (an output larger than the caches: its lines are not read first, nor kept).
+__attribute__((target("avx2"))) void gather_words_avx2(const uint32_t* from, const int32_t* at,
+                                                       uint32_t* to, int64_t count,
+                                                       bool stream) {
+  int64_t t = 0;
+  if (stream) {
+    for (; t < count && (reinterpret_cast<uintptr_t>(to + t) & 31) != 0; ++t) to[t] = from[at[t]];
+    for (; t + 8 <= count; t += 8) {
+      const __m256i where = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + t));
+      const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(from), where, 4);
+      _mm256_stream_si256(reinterpret_cast<__m256i*>(to + t), words);
+    }
+    _mm_sfence();
+  }
+  for (; t + 8 <= count; t += 8) {
+    const __m256i where = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + t));
+    const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(from), where, 4);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(to + t), words);
+  }
+  for (; t < count; ++t) to[t] = from[at[t]];
+}
+
+template <typename In, typename Out>
+JAXCSR_INLINE void gather_fm_body(const int32_t* at, const typename In::Storage* data,
+                                  const typename In::Storage* x, typename Out::Storage* y,
+                                  int64_t rows, int64_t n, int64_t f0, int64_t f1, int64_t r0,
+                                  int64_t r1, bool stream) {
+  constexpr bool same = std::is_same<In, Out>::value;
+  for (int64_t k = f0; k < f1; ++k) {
+    const typename In::Storage* __restrict from = x + k * n;
+    typename Out::Storage* __restrict to = y + k * rows;
+    if (same && !data && sizeof(*to) == 4 && has_avx2()) {
+      gather_words_avx2(reinterpret_cast<const uint32_t*>(from), at + r0,
+                        reinterpret_cast<uint32_t*>(to + r0), r1 - r0, stream);
+    } else if (same && !data) {
+      const auto* bits = reinterpret_cast<const typename Out::Storage*>(from);
+      for (int64_t r = r0; r < r1; ++r) to[r] = bits[at[r]];
+    } else {
+      for (int64_t r = r0; r < r1; ++r)
+        to[r] = Out::store((data ? In::load(data[r]) : 1.0f) * In::load(from[at[r]]));
+    }
+  }
+}
+
+template <typename In, typename Out>
+struct GatherFeatureMajor {
+  template <typename... Args>
+  JAXCSR_INLINE static void run(Args&&... args) {
+    gather_fm_body<In, Out>(std::forward<Args>(args)...);
+  }
+};
 
 // ------------------------------------------------------------------ arg search
 // The entry attaining each output of a max/min (``return_arg`` and the max/min
@@ -837,11 +974,12 @@ template <typename In, typename Out, typename Op>
 struct PullKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                         const int32_t* cols, const void* data, const void* x, void* y,
-                        int64_t rows, int64_t f, int64_t n) {
-    const bool ok = csr_pull<In, Out, Op>(pool, max_threads, indptr, cols,
-                                          static_cast<const typename In::Storage*>(data),
-                                          static_cast<const typename In::Storage*>(x),
-                                          static_cast<typename Out::Storage*>(y), rows, f, n);
+                        int64_t rows, int64_t f, int64_t n, bool feature_major) {
+    const auto pull = feature_major ? pull_feature_major<In, Out, Op> : csr_pull<In, Out, Op>;
+    const bool ok = pull(pool, max_threads, indptr, cols,
+                         static_cast<const typename In::Storage*>(data),
+                         static_cast<const typename In::Storage*>(x),
+                         static_cast<typename Out::Storage*>(y), rows, f, n);
     if (!ok) return ffi::Error::InvalidArgument("jaxcsr cpu: a column index is out of range");
     return ffi::Error::Success();
   }
@@ -851,20 +989,22 @@ template <typename In, typename Out, typename Op>
 struct PushKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                         const int32_t* ids, const void* data, const void* x, void* y,
-                        int64_t rows, int64_t entries, int64_t f) {
-    row_push<In, Out, Op>(pool, max_threads, indptr, ids,
-                          static_cast<const typename In::Storage*>(data),
-                          static_cast<const typename In::Storage*>(x),
-                          static_cast<typename Out::Storage*>(y), rows, entries, f);
+                        int64_t rows, int64_t entries, int64_t f, bool feature_major) {
+    const auto push = feature_major ? push_feature_major<In, Out, Op> : row_push<In, Out, Op>;
+    push(pool, max_threads, indptr, ids, static_cast<const typename In::Storage*>(data),
+         static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(y),
+         rows, entries, f);
     return ffi::Error::Success();
   }
 };
 
-ffi::Error check_2d(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& y,
-                    int64_t rows) {
+// x (n, f) and y (rows, f); feature-major: x (f, n) and y (f, rows).
+ffi::Error check_2d(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& y, int64_t rows,
+                    bool feature_major = false) {
   auto xd = x.dimensions();
   auto yd = y->dimensions();
-  if (xd.size() != 2 || yd.size() != 2 || yd[0] != rows || yd[1] != xd[1])
+  const int r = feature_major ? 1 : 0;
+  if (xd.size() != 2 || yd.size() != 2 || yd[r] != rows || yd[1 - r] != xd[1 - r])
     return ffi::Error::InvalidArgument("jaxcsr cpu: operand/output shapes do not match");
   return ffi::Error::Success();
 }
@@ -879,13 +1019,15 @@ bool valid_indptr(const int32_t* indptr, int64_t rows, int64_t nnz) {
 
 ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                        ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer data, ffi::AnyBuffer x,
-                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce) {
+                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce,
+                       int64_t feature_major) {
   const int64_t rows = static_cast<int64_t>(indptr.element_count()) - 1;
   if (rows < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
-  if (auto err = check_2d(x, y, rows); err.failure()) return err;
+  const bool fm = feature_major != 0;
+  if (auto err = check_2d(x, y, rows, fm); err.failure()) return err;
   const int64_t nnz = indptr.typed_data()[rows];
   const bool has_cols = cols.element_count() > 0, has_data = data.element_count() > 0;
-  const int64_t n = x.dimensions()[0];
+  const int64_t n = x.dimensions()[fm ? 1 : 0], f = x.dimensions()[fm ? 0 : 1];
   if (!valid_indptr(indptr.typed_data(), rows, nnz) || nnz < 0 || (!has_cols && nnz > n))
     return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
   if ((has_cols && static_cast<int64_t>(cols.element_count()) != nnz) ||
@@ -895,28 +1037,30 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
   return dispatch<PullKernel>(x.element_type(), y->element_type(), reduce, pool, max_threads,
                               indptr.typed_data(), has_cols ? cols.typed_data() : nullptr,
                               has_data ? data.untyped_data() : nullptr, x.untyped_data(),
-                              y->untyped_data(), rows, x.dimensions()[1], n);
+                              y->untyped_data(), rows, f, n, fm);
 }
 
 ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                        ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::AnyBuffer x,
-                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce) {
+                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce,
+                       int64_t feature_major) {
   const int64_t rows = static_cast<int64_t>(indptr.element_count()) - 1;
   if (rows < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
-  if (auto err = check_2d(x, y, rows); err.failure()) return err;
+  const bool fm = feature_major != 0;
+  if (auto err = check_2d(x, y, rows, fm); err.failure()) return err;
   const int64_t entries = static_cast<int64_t>(ids.element_count());
   const bool has_data = data.element_count() > 0;
   const int64_t stored = indptr.typed_data()[rows];
   if (stored < 0 || stored > entries || !valid_indptr(indptr.typed_data(), rows, stored))
     return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
-  if (x.dimensions()[0] != entries ||
+  if (x.dimensions()[fm ? 1 : 0] != entries ||
       (has_data && (static_cast<int64_t>(data.element_count()) != entries ||
                     data.element_type() != x.element_type())))
     return ffi::Error::InvalidArgument("jaxcsr cpu: ids/data/operand do not match");
   return dispatch<PushKernel>(x.element_type(), y->element_type(), reduce, pool, max_threads,
                               indptr.typed_data(), ids.typed_data(),
                               has_data ? data.untyped_data() : nullptr, x.untyped_data(),
-                              y->untyped_data(), rows, entries, x.dimensions()[1]);
+                              y->untyped_data(), rows, entries, x.dimensions()[fm ? 0 : 1], fm);
 }
 
 
@@ -1167,8 +1311,31 @@ template <typename In, typename Out, typename Unused>
 struct GatherKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* cols,
                         const void* data, const void* x, void* y, int64_t rows, int64_t n,
-                        int64_t f) {
+                        int64_t f, bool feature_major) {
     const int64_t threads = thread_count(pool, max_threads);
+    if (feature_major) {  // features one at a time, by parts of the rows
+      std::vector<int32_t> at(rows);
+      std::vector<int64_t> outside;
+      for (int64_t r = 0; r < rows; ++r) {
+        const bool inside = static_cast<uint64_t>(cols[r]) < static_cast<uint64_t>(n);
+        at[r] = inside ? cols[r] : 0;
+        if (!inside) outside.push_back(r);
+      }
+      const int64_t use = rows * f < kSerialWork ? 1 : threads;
+      const int64_t parts = std::max<int64_t>(1, (2 * use + f - 1) / f);
+      auto* out = static_cast<typename Out::Storage*>(y);
+      const bool stream = rows * f * static_cast<int64_t>(sizeof(*out)) > kStreamBytes;
+      parallel_chunks(pool, f * parts, use, [&](int64_t c) {
+        const int64_t k = c / parts, p = c % parts;
+        run_best<GatherFeatureMajor<In, Out>>(
+            at.data(), static_cast<const typename In::Storage*>(data),
+            static_cast<const typename In::Storage*>(x), out, rows, n, k, k + 1,
+            rows * p / parts, rows * (p + 1) / parts, stream);
+      });
+      for (int64_t k = 0; k < f; ++k)
+        for (const int64_t r : outside) out[k * rows + r] = Out::store(0.0f);
+      return ffi::Error::Success();
+    }
     const int64_t chunks = chunk_count(rows * f, threads, 4, 65536);
     parallel_chunks(pool, chunks, threads, [&](int64_t c) {
       run_best<GatherRows<In, Out>>(
@@ -1181,17 +1348,19 @@ struct GatherKernel {
 };
 
 ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer data,
-                      ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
+                      ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t max_threads,
+                      int64_t feature_major) {
   const int64_t rows = static_cast<int64_t>(cols.element_count());
-  if (auto err = check_2d(x, y, rows); err.failure()) return err;
+  const bool fm = feature_major != 0;
+  if (auto err = check_2d(x, y, rows, fm); err.failure()) return err;
   const bool has_data = data.element_count() > 0;
   if (has_data && (static_cast<int64_t>(data.element_count()) != rows ||
                    data.element_type() != x.element_type()))
     return ffi::Error::InvalidArgument("jaxcsr cpu: gather values do not match");
   return dispatch<GatherKernel>(x.element_type(), y->element_type(), 0, pool, max_threads,
                                 cols.typed_data(), has_data ? data.untyped_data() : nullptr,
-                                x.untyped_data(), y->untyped_data(), rows, x.dimensions()[0],
-                                x.dimensions()[1]);
+                                x.untyped_data(), y->untyped_data(), rows,
+                                x.dimensions()[fm ? 1 : 0], x.dimensions()[fm ? 0 : 1], fm);
 }
 
 // ------------------------------------------------------------------ softmax
@@ -1526,7 +1695,8 @@ auto product_binding() {
       .Arg<ffi::AnyBuffer>()
       .Ret<ffi::AnyBuffer>()
       .Attr<int64_t>("max_threads")
-      .Attr<int64_t>("reduce");
+      .Attr<int64_t>("reduce")
+      .Attr<int64_t>("feature_major");
 }
 
 }  // namespace
@@ -1573,4 +1743,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrGather, GatherImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("max_threads"));
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<int64_t>("feature_major"));
