@@ -625,6 +625,9 @@ for trial in range(3):
                         jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce=reduce),
                         G.T.with_data(G.T.data.astype(dtype)) @ y,
                         A.T @ y,  # one entry per row: the gather
+                        # feature-major (values @ B): push, pull, and the gather
+                        jax.vjp(lambda w: w @ A.T, v.T)[1](y.T),
+                        y.T @ G.with_data(G.data.astype(dtype)),
                         traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1)),
                         jaxcsr.sddmm(G, jnp.asarray(rng.standard_normal((m, f)), dtype), x),
                         jaxcsr.sddmm(A.T, v, jnp.asarray(rng.standard_normal((m, f)), dtype)),
