@@ -698,9 +698,6 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
 
 // Ids and features are taken in tiles of kFmTile ids.
 constexpr int64_t kFmTile = 256;
-// Outputs larger than this (twice the last-level cache of the machines measured) are
-// written with non-temporal stores where a kernel says so.
-constexpr int64_t kStreamBytes = int64_t{64} << 20;
 
 
 // Push (unsorted ids): features in blocks of 16 (of 8 when that gives every thread a
@@ -769,23 +766,12 @@ bool pull_feature_major(ffi::ThreadPool& pool, int64_t max_threads, const int32_
 // x[k, cols[r]] for features [f0, f1) and rows [r0, r1), through ``at``, the columns
 // checked once for every feature (a column outside [0, n) reads column 0 here and its
 // rows are zeroed afterwards, so the loop has no branch). Each feature's rows are one
-// sequential stream of y; plain rows of 4-byte elements are gathered eight at a time.
+// sequential stream of y; plain rows of 4-byte elements are gathered eight at a time
+// (GCC does not vectorise the loop into gathers for these targets).
 // Every output is written once: any split, the same bits.
-// With ``stream``, whole 32-byte blocks of ``to`` are written with non-temporal stores
-// (an output larger than the caches: its lines are not read first, nor kept).
 __attribute__((target("avx2"))) void gather_words_avx2(const uint32_t* from, const int32_t* at,
-                                                       uint32_t* to, int64_t count,
-                                                       bool stream) {
+                                                       uint32_t* to, int64_t count) {
   int64_t t = 0;
-  if (stream) {
-    for (; t < count && (reinterpret_cast<uintptr_t>(to + t) & 31) != 0; ++t) to[t] = from[at[t]];
-    for (; t + 8 <= count; t += 8) {
-      const __m256i where = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + t));
-      const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(from), where, 4);
-      _mm256_stream_si256(reinterpret_cast<__m256i*>(to + t), words);
-    }
-    _mm_sfence();
-  }
   for (; t + 8 <= count; t += 8) {
     const __m256i where = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(at + t));
     const __m256i words = _mm256_i32gather_epi32(reinterpret_cast<const int*>(from), where, 4);
@@ -798,14 +784,14 @@ template <typename In, typename Out>
 JAXCSR_INLINE void gather_fm_body(const int32_t* at, const typename In::Storage* data,
                                   const typename In::Storage* x, typename Out::Storage* y,
                                   int64_t rows, int64_t n, int64_t f0, int64_t f1, int64_t r0,
-                                  int64_t r1, bool stream) {
+                                  int64_t r1) {
   constexpr bool same = std::is_same<In, Out>::value;
   for (int64_t k = f0; k < f1; ++k) {
     const typename In::Storage* __restrict from = x + k * n;
     typename Out::Storage* __restrict to = y + k * rows;
     if (same && !data && sizeof(*to) == 4 && has_avx2()) {
       gather_words_avx2(reinterpret_cast<const uint32_t*>(from), at + r0,
-                        reinterpret_cast<uint32_t*>(to + r0), r1 - r0, stream);
+                        reinterpret_cast<uint32_t*>(to + r0), r1 - r0);
     } else if (same && !data) {
       const auto* bits = reinterpret_cast<const typename Out::Storage*>(from);
       for (int64_t r = r0; r < r1; ++r) to[r] = bits[at[r]];
@@ -1324,13 +1310,12 @@ struct GatherKernel {
       const int64_t use = rows * f < kSerialWork ? 1 : threads;
       const int64_t parts = std::max<int64_t>(1, (2 * use + f - 1) / f);
       auto* out = static_cast<typename Out::Storage*>(y);
-      const bool stream = rows * f * static_cast<int64_t>(sizeof(*out)) > kStreamBytes;
       parallel_chunks(pool, f * parts, use, [&](int64_t c) {
         const int64_t k = c / parts, p = c % parts;
         run_best<GatherFeatureMajor<In, Out>>(
             at.data(), static_cast<const typename In::Storage*>(data),
             static_cast<const typename In::Storage*>(x), out, rows, n, k, k + 1,
-            rows * p / parts, rows * (p + 1) / parts, stream);
+            rows * p / parts, rows * (p + 1) / parts);
       });
       for (int64_t k = 0; k < f; ++k)
         for (const int64_t r : outside) out[k * rows + r] = Out::store(0.0f);
