@@ -120,6 +120,20 @@ def test_strategy_crossover_table(tmp_path):
     assert "| chosen |" in (tmp_path / "strategies.md").read_text()
 
 
+def test_last_axis_study(tmp_path):
+    """Every form of ``values @ A.T`` agrees with jax.ops; the table has both passes."""
+    from benchmarks.studies import last_axis
+
+    result = last_axis.main(
+        ["--graph", "cora", "--features", "3", "--dtypes", "float32", "--repeats", "1",
+         "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert {r["pass"] for r in result["rows"]} == {"fwd", "bwd"}
+    for r in result["rows"]:
+        assert max(r["rel_error_vs_jax_ops"].values()) <= 1e-5
+    assert "| fwd | 3 | float32 |" in (tmp_path / "last_axis.md").read_text()
+
+
 def test_jax_systems_take_their_index_arrays_as_arguments():
     """No JAX system of the main benchmark holds an index array as an XLA constant
     (which XLA constant-folds at compile time: ~150 s of "Constant folding" alarms
