@@ -630,9 +630,6 @@ for trial in range(3):
                         jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce=reduce),
                         G.T.with_data(G.T.data.astype(dtype)) @ y,
                         A.T @ y,  # one entry per row: the gather
-                        # feature-major (values @ B): push, pull, and the gather
-                        jax.vjp(lambda w: w @ A.T, v.T)[1](y.T),
-                        y.T @ G.with_data(G.data.astype(dtype)),
                         traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1)),
                         jaxcsr.sddmm(G, jnp.asarray(rng.standard_normal((m, f)), dtype), x),
                         jaxcsr.sddmm(A.T, v, jnp.asarray(rng.standard_normal((m, f)), dtype)),
@@ -642,7 +639,11 @@ for trial in range(3):
                                       return_arg=True)):
                 jax.block_until_ready(out)
             if dtype != (np.float32, jnp.bfloat16, np.float16)[trial % 3]:
-                continue  # the softmax on one dtype per trial (each jit is slow here)
+                continue  # the rest on one dtype per trial (each jit is slow here)
+            # feature-major (values @ B): push or pull, the gather, a general pull
+            out = (jax.vjp(lambda w: w @ A.T, v.T)[1](y.T),
+                   y.T @ G.with_data(G.data.astype(dtype)))
+            jax.block_until_ready(out)
             # the fused softmax and its backward: unsorted/sorted ids, CSR patterns
             for fn, s in ((lambda s: jaxcsr.segment_softmax(s, ids, int(m)), v),
                           (lambda s: jaxcsr.edge_softmax(G, s), jnp.asarray(
