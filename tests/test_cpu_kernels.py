@@ -229,7 +229,7 @@ def test_one_piece_push_splits_features_over_threads(rng, dtype):
 def test_feature_major_products_match_float64(rng, kind):
     """``values @ B`` contracts the last axis of values ``(F, m)``: the kernels read and
     write that layout as stored (push, pull and the gather of the backward). Both views,
-    three dtypes, widths 1, 3, 16 and 33, forward and the operand's gradient against
+    three dtypes, widths 1, 3 and 33 (16 + 16 + 1), forward and the operand's gradient against
     float64; the compiled products hold no transpose."""
     A, _ = _matrix(rng, kind)
     fwd = jax.jit(lambda B, v: v @ B)
@@ -239,7 +239,7 @@ def test_feature_major_products_match_float64(rng, kind):
             if B.dtype is not None:  # the reference reads the values as rounded
                 B = B.with_data(B.data.astype(dtype))
             dense = dense_of(B)
-            for f in (1, 3, 16, 33):
+            for f in (1, 3, 33):
                 v = random_values(rng, (f, B.shape[0])).astype(dtype)
                 ct = random_values(rng, (f, B.shape[1])).astype(dtype)
                 out = fwd(B, v)
