@@ -170,7 +170,6 @@ def run_case(case, repeats: int, budget_s: float, progress=None) -> dict[str, An
 
     results: dict[str, Any] = {}
     firsts: dict[str, float] = {}
-    spent: dict[str, float] = {}
     tol = measure.TOLERANCE[case.dtype]
     reference = None
     for name, thunk in case.systems.items():
@@ -201,21 +200,13 @@ def run_case(case, repeats: int, budget_s: float, progress=None) -> dict[str, An
             got = case.to_reference.get(name, lambda y: y)(got)
             err = measure.relative_error(got, reference)
             results[name] = {"rel_error": err, "mismatch": not err <= tol}
-        firsts[name], spent[name] = first, first
+        firsts[name] = first
         del got
-    samples: dict[str, list[float]] = {name: [] for name in firsts}
-    for round_ in range(1 + repeats):  # round 0 is the warm-up
-        for name in firsts:
-            if name != "jaxcsr":  # jaxcsr runs every round; a peer within its budget
-                past = spent[name] + (firsts[name] if round_ == 0 else 0) > budget_s
-                if past and (round_ == 0 or samples[name]):
-                    continue  # (every peer keeps at least one timed run)
-            seconds = measure.timed(case.systems[name])[0]
-            spent[name] += seconds
-            if round_ > 0:
-                samples[name].append(seconds)
-    for name in firsts:
-        timing = measure.Timing.of(firsts[name], samples[name] or [firsts[name]])
+    thunks = {name: case.systems[name] for name in firsts}
+    timings, spent = measure.time_rounds(
+        thunks, firsts, repeats, budget_s=budget_s, unbounded=("jaxcsr",)
+    )  # jaxcsr runs every round; each peer within its budget
+    for name, timing in timings.items():
         results[name] = {**vars(timing), **results[name]}
         if progress:
             progress(name, timing.median_s, spent[name])

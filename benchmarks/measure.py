@@ -2,7 +2,8 @@
 
 :func:`timed` is the stopwatch: one call, waited for (``block_until_ready``), in
 seconds. Everything else builds on it: :func:`time_thunk` (first call apart, warm-up,
-repeats, an optional budget), :func:`time_in_turns` (several systems timed in turns)
+repeats, an optional budget), :func:`time_in_turns` and :func:`time_rounds` (several
+systems timed in turns, optionally within a budget)
 and the training loops of the examples (one :func:`timed` step per epoch). The GPU
 script times the same way, with the device synchronised.
 """
@@ -93,14 +94,37 @@ def time_in_turns(
     firsts, outs = {}, {}
     for name, thunk in thunks.items():
         firsts[name], outs[name] = timed(thunk)
-    for _ in range(warmup):
-        for thunk in thunks.values():
-            timed(thunk)
+    return time_rounds(thunks, firsts, repeats, warmup)[0], outs
+
+
+def time_rounds(
+    thunks: dict[str, Callable[[], Any]],
+    firsts: dict[str, float],
+    repeats: int,
+    warmup: int = 1,
+    budget_s: float | None = None,
+    unbounded: tuple[str, ...] = (),
+) -> tuple[dict[str, Timing], dict[str, float]]:
+    """After each thunk's first call (``firsts``: its seconds, made by the caller),
+    ``warmup`` untimed rounds and ``repeats`` (>= 1) timed rounds, each calling every
+    thunk once in turn. With ``budget_s``, a thunk (other than those in ``unbounded``)
+    whose calls, its first included, pass the budget skips the warm-up rounds that
+    would pass it and leaves the timed rounds once it has one run. Returns each thunk's
+    :class:`Timing` and the seconds its calls took, the first included."""
+    spent = dict(firsts)
     samples: dict[str, list[float]] = {name: [] for name in thunks}
-    for _ in range(repeats):
+    for round_ in range(warmup + repeats):
+        timed_round = round_ >= warmup
         for name, thunk in thunks.items():
-            samples[name].append(timed(thunk)[0])
-    return {name: Timing.of(firsts[name], samples[name]) for name in thunks}, outs
+            if budget_s is not None and name not in unbounded:
+                ahead = 0.0 if timed_round else firsts[name]
+                if spent[name] + ahead > budget_s and (not timed_round or samples[name]):
+                    continue
+            seconds = timed(thunk)[0]
+            spent[name] += seconds
+            if timed_round:
+                samples[name].append(seconds)
+    return {name: Timing.of(firsts[name], samples[name]) for name in thunks}, spent
 
 
 def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float]:

@@ -223,8 +223,8 @@ def reduce_rows(
     semiring = reduce
     if reduce == "mean" or (reduce in EXTREMES and s.one_per_row):
         semiring = "sum"
-    if feature_major and (semiring != "sum" or return_arg):
-        raise ValueError("feature_major products are sums and means, without return_arg")
+    if feature_major and return_arg:  # (product refuses a feature-major max/min)
+        raise ValueError("feature_major products have no return_arg")
     out = product(
         x,
         data,
@@ -237,8 +237,7 @@ def reduce_rows(
     )
     if reduce == "mean":
         dtype = product_dtype(x.dtype, None if data is None else data.dtype)
-        out = _divide_by_degree(out.T if feature_major else out, s, dtype)
-        out = out.T if feature_major else out
+        out = _divide_by_degree(out, s, dtype, feature_major)
     if not return_arg:
         return out
     x, data, found = jax.lax.stop_gradient((x, data, out))
@@ -285,10 +284,13 @@ def _at_view(search, structure: Structure):
     return lambda x, data, out: search(x, data, structure, out)
 
 
-def _divide_by_degree(total: jax.Array, structure: Structure, dtype) -> jax.Array:
-    """Row sums (accumulation dtype) -> row means in ``dtype``; empty rows stay 0.
-    Integers use floor division."""
-    degree = jnp.maximum(structure.degrees(), 1)[:, None].astype(total.dtype)
+def _divide_by_degree(
+    total: jax.Array, structure: Structure, dtype, feature_major: bool = False
+) -> jax.Array:
+    """Row sums (accumulation dtype; ``(m, F)``, or ``(F, m)`` feature-major) -> row
+    means in ``dtype``; empty rows stay 0. Integers use floor division."""
+    degree = jnp.maximum(structure.degrees(), 1).astype(total.dtype)
+    degree = degree[None, :] if feature_major else degree[:, None]
     if jnp.issubdtype(total.dtype, jnp.integer):
         return jnp.floor_divide(total, degree).astype(dtype)
     return (total / degree).astype(dtype)

@@ -179,17 +179,17 @@ def product(
     m = view.shape[0]
     out = jax.ShapeDtypeStruct((x.shape[0], m) if feature_major else (m, x.shape[1]), out_dtype)
     none = jnp.zeros((0,), dtype)
-    layout = {"max_threads": np.int64(_MAX_THREADS), "feature_major": np.int64(feature_major)}
-    attrs = {**layout, "reduce": np.int64(_REDUCE[reduce])}
+    attrs = {"max_threads": np.int64(_MAX_THREADS), "feature_major": np.int64(feature_major)}
+    reduction = np.int64(_REDUCE[reduce])
     if view.one_per_row:  # y[i] = data_i * x[col_i]: a row gather, no reduction
         values = none if data is None else view.row_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_gather", out)
         cols = view.row_of_col.astype(jnp.int32)  # empty rows (past n, padded: < 0): 0
-        return call(cols, values, x, **layout)
+        return call(cols, values, x, **attrs)
     if kernel_for(view) == "push":
         values = none if data is None else view.column_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_push", out)
-        return call(view.indptr, view.row_of_col, values, x, **attrs)
+        return call(view.indptr, view.row_of_col, values, x, reduce=reduction, **attrs)
     values = none if data is None else data.astype(dtype)
     indptr = view.view_indptr()
     if view.one_per_column:  # sorted ids: entry k is column k
@@ -197,7 +197,8 @@ def product(
     else:
         cols = view.view_indices()
     call = jax.ffi.ffi_call("jaxcsr_cpu_pull", out)
-    return call(indptr.astype(jnp.int32), cols.astype(jnp.int32), values, x, **attrs)
+    indices = (indptr.astype(jnp.int32), cols.astype(jnp.int32))
+    return call(*indices, values, x, reduce=reduction, **attrs)
 
 
 def sddmm(ct, x, view: Structure, *, out_dtype):

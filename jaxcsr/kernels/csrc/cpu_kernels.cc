@@ -694,9 +694,8 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
 // layout of ``values @ A.T`` (values (f, n)), taken as it is rather than transposed
 // into and out of a row-major product.
 
-// Ids and features are taken in tiles of kFmTile ids.
+// The push takes a feature block's ids in tiles of kFmTile.
 constexpr int64_t kFmTile = 256;
-
 
 // Push (unsorted ids): features in blocks of 16 (of 8 when that gives every thread a
 // block), one block per thread at a time. A block's (width, kFmTile) tile of x is
@@ -968,6 +967,12 @@ struct PushKernel {
   }
 };
 
+// x's (entries n, features f): x (n, f), or (f, n) feature-major.
+std::pair<int64_t, int64_t> entries_and_features(const ffi::AnyBuffer& x, bool feature_major) {
+  auto xd = x.dimensions();
+  return feature_major ? std::make_pair(xd[1], xd[0]) : std::make_pair(xd[0], xd[1]);
+}
+
 // x (n, f) and y (rows, f); feature-major: x (f, n) and y (f, rows).
 ffi::Error check_2d(const ffi::AnyBuffer& x, ffi::Result<ffi::AnyBuffer>& y, int64_t rows,
                     bool feature_major = false) {
@@ -997,7 +1002,7 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
   if (auto err = check_2d(x, y, rows, fm); err.failure()) return err;
   const int64_t nnz = indptr.typed_data()[rows];
   const bool has_cols = cols.element_count() > 0, has_data = data.element_count() > 0;
-  const int64_t n = x.dimensions()[fm ? 1 : 0], f = x.dimensions()[fm ? 0 : 1];
+  const auto [n, f] = entries_and_features(x, fm);
   if (!valid_indptr(indptr.typed_data(), rows, nnz) || nnz < 0 || (!has_cols && nnz > n))
     return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
   if ((has_cols && static_cast<int64_t>(cols.element_count()) != nnz) ||
@@ -1023,14 +1028,15 @@ ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
   const int64_t stored = indptr.typed_data()[rows];
   if (stored < 0 || stored > entries || !valid_indptr(indptr.typed_data(), rows, stored))
     return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
-  if (x.dimensions()[fm ? 1 : 0] != entries ||
+  const auto [n, f] = entries_and_features(x, fm);
+  if (n != entries ||
       (has_data && (static_cast<int64_t>(data.element_count()) != entries ||
                     data.element_type() != x.element_type())))
     return ffi::Error::InvalidArgument("jaxcsr cpu: ids/data/operand do not match");
   return dispatch<PushKernel>(x.element_type(), y->element_type(), reduce, pool, max_threads,
                               indptr.typed_data(), ids.typed_data(),
                               has_data ? data.untyped_data() : nullptr, x.untyped_data(),
-                              y->untyped_data(), rows, entries, x.dimensions()[fm ? 0 : 1], fm);
+                              y->untyped_data(), rows, entries, f, fm);
 }
 
 
@@ -1331,14 +1337,14 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::Any
   const int64_t rows = static_cast<int64_t>(cols.element_count());
   const bool fm = feature_major != 0;
   if (auto err = check_2d(x, y, rows, fm); err.failure()) return err;
+  const auto [n, f] = entries_and_features(x, fm);
   const bool has_data = data.element_count() > 0;
   if (has_data && (static_cast<int64_t>(data.element_count()) != rows ||
                    data.element_type() != x.element_type()))
     return ffi::Error::InvalidArgument("jaxcsr cpu: gather values do not match");
   return dispatch<GatherKernel>(x.element_type(), y->element_type(), 0, pool, max_threads,
                                 cols.typed_data(), has_data ? data.untyped_data() : nullptr,
-                                x.untyped_data(), y->untyped_data(), rows,
-                                x.dimensions()[fm ? 1 : 0], x.dimensions()[fm ? 0 : 1], fm);
+                                x.untyped_data(), y->untyped_data(), rows, n, f, fm);
 }
 
 // ------------------------------------------------------------------ softmax
