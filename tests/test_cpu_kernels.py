@@ -79,7 +79,8 @@ KINDS += ["empty_rows", "duplicates"]
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_matches_float64(rng, kind):
     """Sum, max and min of both views, three dtypes, one feature, the whole-vector
-    widths (16, 64: 8 * V features) and others below and past 32, against float64
+    widths (16, 64: 8 * V features; 88: pull blocks of 64 and 24) and others below and
+    past 32, against float64
     (max/min: reduce_reference, ties and NaN included)."""
     A, _ = _matrix(rng, kind)
     assert "native" in str(A.plan_info())
@@ -87,7 +88,7 @@ def test_every_kernel_matches_float64(rng, kind):
     fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
     for B in (A, A.T):
         for dtype in DTYPES:
-            for f in (1, 5, 16, 40, 64):
+            for f in (1, 5, 16, 44, 64, 88):
                 x = random_values(rng, (B.shape[1], f)).astype(dtype)
                 if B.dtype is not None:  # the reference reads the values as rounded
                     B = B.with_data(B.data.astype(dtype))
@@ -609,7 +610,7 @@ assert cpu.available(), cpu.library_path()
 rng = np.random.default_rng(int(__import__("sys").argv[1]))
 # traced ids (a padded layout), some past the last segment: dropped
 traced_sum = jax.jit(jaxcsr.segment_sum, static_argnames="num_segments")
-for trial in range(3):
+for trial in range(4):
     m, n, k = rng.integers(1, 40), rng.integers(1, 60), rng.integers(0, 500)
     ids = rng.integers(0, m, k)
     if trial % 2 == 0:
@@ -620,8 +621,8 @@ for trial in range(3):
                                   shape=(int(m), int(n)))
     for dtype in (np.float32, jnp.bfloat16, np.float16):
         # one feature, and a width per trial: 33 (a loop over features), 16 and 64
-        # (whole vectors; sixteen softmax lanes with AVX-512)
-        for f in (1, (33, 16, 64)[trial]):
+        # (whole vectors; sixteen softmax lanes with AVX-512), 136 (pull blocks: 64 + 64 + 8)
+        for f in (1, (33, 16, 64, 136)[trial]):
             v = jnp.asarray(rng.standard_normal((k, f)), dtype)
             x = jnp.asarray(rng.standard_normal((n, f)), dtype)
             y = jnp.asarray(rng.standard_normal((m, f)), dtype)

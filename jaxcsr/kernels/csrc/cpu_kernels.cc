@@ -406,27 +406,72 @@ JAXCSR_INLINE int64_t checked_column(const int32_t* cols, int64_t j, int64_t j1,
   return col;
 }
 
-// Rows [lo, hi) of the pull product for f = 8 * V features (float32 or bfloat16
-// operands and output): the row's V accumulators are vector registers, no loop over
-// features. Same order per feature as the general loop below: the same bits.
+// Features [c0, c0 + 8 V) of row r of the pull product (float32 or bfloat16 operands
+// and output; rows of x and y ``f`` apart): the V accumulators are vector registers, no
+// loop over features, and the block's lines of x are prefetched eight entries ahead.
+// Same order per feature as the general loop below: the same bits.
+template <typename In, typename Out, typename Op, int V>
+JAXCSR_INLINE void pull_row_block(const int32_t* cols, const typename In::Storage* data,
+                                  const typename In::Storage* x, typename Out::Storage* y,
+                                  int64_t f, int64_t c0, int64_t j0, int64_t j1, uint64_t n,
+                                  bool& bad) {
+  constexpr int64_t kLines = (8 * V * sizeof(typename In::Storage) + 63) / 64;
+  const typename In::Storage* xb = x + c0;
+  f32x8 a[V];
+  for (int v = 0; v < V; ++v) a[v] = splat(Op::init);
+  for (int64_t j = j0; j < j1; ++j) {
+    const int64_t col = checked_column(cols, j, j1, xb, f, n, bad);
+    if (col < 0) continue;
+    if constexpr (kLines > 1) {
+      if (cols && j + 8 < j1) {
+        const char* ahead = reinterpret_cast<const char*>(xb + int64_t{cols[j + 8]} * f);
+        for (int64_t l = 1; l < kLines; ++l) __builtin_prefetch(ahead + 64 * l);
+      }
+    }
+    const f32x8 w = splat(data ? In::load(data[j]) : 1.0f);
+    for (int v = 0; v < V; ++v)
+      a[v] = combine8<Op>(a[v], w * load8<In>(xb + col * f + 8 * v, 8, 0.0f));
+  }
+  for (int v = 0; v < V; ++v) store8<Out>(y + c0 + 8 * v, j1 == j0 ? splat(0.0f) : a[v], 8);
+}
+
+// Rows [lo, hi) of the pull product for f = 8 * V features.
 template <typename In, typename Out, typename Op, int V>
 JAXCSR_INLINE void pull_rows_vectors(const int32_t* indptr, const int32_t* cols,
                                      const typename In::Storage* data,
                                      const typename In::Storage* x, typename Out::Storage* y,
                                      int64_t lo, int64_t hi, uint64_t n, bool& bad) {
   constexpr int64_t f = 8 * V;
+  for (int64_t r = lo; r < hi; ++r)
+    pull_row_block<In, Out, Op, V>(cols, data, x, y + r * f, f, 0, indptr[r], indptr[r + 1],
+                                   n, bad);
+}
+
+// Rows [lo, hi) of the pull product for f > 64 features, a multiple of 8: each row in
+// blocks of 64 features (then one of the rest), every block one pass over the row's
+// entries with its accumulators in registers (no accumulator row in memory, loaded and
+// stored at every entry). Each feature is reduced in CSR order: the same bits.
+template <typename In, typename Out, typename Op>
+JAXCSR_INLINE void pull_rows_blocks(const int32_t* indptr, const int32_t* cols,
+                                    const typename In::Storage* data,
+                                    const typename In::Storage* x, typename Out::Storage* y,
+                                    int64_t f, int64_t lo, int64_t hi, uint64_t n, bool& bad) {
+  const int64_t whole = f / 64 * 64;
   for (int64_t r = lo; r < hi; ++r) {
     const int64_t j0 = indptr[r], j1 = indptr[r + 1];
-    f32x8 a[V];
-    for (int v = 0; v < V; ++v) a[v] = splat(Op::init);
-    for (int64_t j = j0; j < j1; ++j) {
-      const int64_t col = checked_column(cols, j, j1, x, f, n, bad);
-      if (col < 0) continue;
-      const f32x8 w = splat(data ? In::load(data[j]) : 1.0f);
-      for (int v = 0; v < V; ++v)
-        a[v] = combine8<Op>(a[v], w * load8<In>(x + col * f + 8 * v, 8, 0.0f));
+    typename Out::Storage* yr = y + r * f;
+    for (int64_t c0 = 0; c0 < whole; c0 += 64)
+      pull_row_block<In, Out, Op, 8>(cols, data, x, yr, f, c0, j0, j1, n, bad);
+    switch ((f - whole) / 8) {
+      case 1: pull_row_block<In, Out, Op, 1>(cols, data, x, yr, f, whole, j0, j1, n, bad); break;
+      case 2: pull_row_block<In, Out, Op, 2>(cols, data, x, yr, f, whole, j0, j1, n, bad); break;
+      case 3: pull_row_block<In, Out, Op, 3>(cols, data, x, yr, f, whole, j0, j1, n, bad); break;
+      case 4: pull_row_block<In, Out, Op, 4>(cols, data, x, yr, f, whole, j0, j1, n, bad); break;
+      case 5: pull_row_block<In, Out, Op, 5>(cols, data, x, yr, f, whole, j0, j1, n, bad); break;
+      case 6: pull_row_block<In, Out, Op, 6>(cols, data, x, yr, f, whole, j0, j1, n, bad); break;
+      case 7: pull_row_block<In, Out, Op, 7>(cols, data, x, yr, f, whole, j0, j1, n, bad); break;
+      default: break;
     }
-    for (int v = 0; v < V; ++v) store8<Out>(y + r * f + 8 * v, j1 == j0 ? splat(0.0f) : a[v], 8);
   }
 }
 
@@ -500,6 +545,8 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
       case 64: return pull_rows_vectors<In, Out, Op, 8>(indptr, cols, data, x, y, lo, hi, n, bad);
       default: break;
     }
+    if (f > 64 && f % 8 == 0)
+      return pull_rows_blocks<In, Out, Op>(indptr, cols, data, x, y, f, lo, hi, n, bad);
   }
   constexpr int64_t kWidth = 32;
   float local[kWidth];
