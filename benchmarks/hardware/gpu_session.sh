@@ -4,7 +4,8 @@
 # compiled for the device (tests/reference.py: GPU_INTERPRET is False there), then the
 # benchmark (benchmarks/hardware/on_gpu.py). Everything goes to $OUT (default
 # benchmarks/results/gpu-latest). Time limits: TEST_S and BENCH_S seconds (the
-# benchmark stops starting cell groups at BENCH_S - 60); GRAPHS: extra .npz paths.
+# benchmark stops starting cell groups at BENCH_S - 60); GRAPHS: extra .npz paths;
+# FEATURES, DTYPES, SEGMENTS (few-segment counts, "" for none), SKIP (peers left out).
 set -u
 OUT=${OUT:-benchmarks/results/gpu-latest}
 mkdir -p "$OUT"
@@ -21,7 +22,9 @@ tests_rc=${PIPESTATUS[0]}
 BENCH_S=${BENCH_S:-330}
 graphs="tolokers,musae_github,planetoid_pubmed${GRAPHS:+,$GRAPHS}"
 timeout "$BENCH_S" "$PY" -m benchmarks.hardware.on_gpu --out "$OUT" --graphs "$graphs" \
-  --features "${FEATURES:-64,256,16}" --deadline $((BENCH_S - 60)) 2>&1 | tee "$OUT/bench.txt"
+  --features "${FEATURES:-64,256,16}" --dtypes "${DTYPES:-float32,bfloat16}" \
+  --segments "${SEGMENTS-1,24}" --skip "${SKIP:-}" --deadline $((BENCH_S - 60)) 2>&1 \
+  | tee "$OUT/bench.txt"
 bench_rc=${PIPESTATUS[0]}
 echo "tests exit $tests_rc, benchmark exit $bench_rc" | tee -a "$OUT/env.txt"
 [ "$tests_rc" = 0 ] && [ "$bench_rc" = 0 ]
