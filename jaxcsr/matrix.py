@@ -603,7 +603,9 @@ class CSRMatrix(SparseOperand):
 
         Runs as a feature-major product: ``X`` is read as it is stored, one feature per
         row, and the result written the same way (the CPU kernels take that layout
-        directly; other backends get ``A.T @ X.T`` between transposes)."""
+        directly; other backends get ``A.T @ X.T`` between transposes). A general
+        matrix's values stay in its own order (``data_transposed``): the CPU kernels read
+        them through the planned permutation, other backends permute them first."""
         x = as_numeric(other, "X")
         if x.ndim == 0:
             raise ValueError("X must have rank >= 1, got a scalar (shape ())")
@@ -613,10 +615,11 @@ class CSRMatrix(SparseOperand):
             )
         lead = x.shape[:-1]
         rows = x.reshape(int(np.prod(lead, dtype=np.int64)), self.shape[0])
-        t = self.T
+        general = self.data is not None and self.structure.layout.kind == "general"
+        data = self.data if general else self.T.data
         out = ops.reduce_rows(
-            rows, t.data, t.index, reduce="sum", return_arg=False, impl=None, interpret=False,
-            feature_major=True,
+            rows, data, self.index.transpose(), reduce="sum", return_arg=False, impl=None,
+            interpret=False, feature_major=True, data_transposed=general,
         )  # fmt: skip
         return out.reshape((*lead, self.shape[1]))
 

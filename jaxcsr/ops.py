@@ -151,14 +151,29 @@ def _unpack(operands: Any, index_tree, has_data: bool) -> tuple[Any, Any, Index]
 
 
 def product(
-    x, data, index: Index, *, accumulate: bool = False, feature_major: bool = False, **params
+    x,
+    data,
+    index: Index,
+    *,
+    accumulate: bool = False,
+    feature_major: bool = False,
+    data_transposed: bool = False,
+    **params,
 ) -> jax.Array:
     """Binds the primitive: ``A @ x`` for a 2-D ``x``; ``params`` are ``reduce``,
     ``impl`` and ``interpret``. Returns ``(m, F)`` in the product dtype, or in its
     accumulation dtype with ``accumulate=True``; with ``feature_major=True`` (sums
-    only), ``x`` is ``(F, n)`` and the result ``(F, m)``."""
+    only), ``x`` is ``(F, n)`` and the result ``(F, m)``. With ``data_transposed=True``
+    (sums of ``"general"`` views with values; the backward pass binds it), ``data`` is in
+    the CSR order of the view's transpose: the lowering puts it in the view's order, or
+    a backend that declares :attr:`~jaxcsr.kernels.Backend.transposed_data` reads it
+    through the planned permutation itself."""
     if feature_major and params["reduce"] != "sum":
         raise ValueError(f"feature_major products are sums, got reduce={params['reduce']!r}")
+    if data_transposed and (
+        params["reduce"] != "sum" or data is None or index.structure.layout.kind != "general"
+    ):
+        raise ValueError("data_transposed products are sums of general views with values")
     leaves, index_tree = jax.tree_util.tree_flatten(index)
     operands = [x, *([] if data is None else [data]), *leaves]
     return csr_matmul_p.bind(
@@ -167,6 +182,7 @@ def product(
         has_data=data is not None,
         accumulate=accumulate,
         feature_major=feature_major,
+        data_transposed=data_transposed,
         **params,
     )
 
@@ -209,6 +225,7 @@ def reduce_rows(
     impl: str | None,
     interpret: bool,
     feature_major: bool = False,
+    data_transposed: bool = False,
 ) -> Any:
     """``A @ x`` for a 2-D ``x`` with any of :data:`REDUCTIONS` (validated by the caller).
 
@@ -217,7 +234,7 @@ def reduce_rows(
     its own max/min, so it runs the sum. ``return_arg`` adds the column attaining each
     max/min (sentinel ``n`` for empty rows), found by :func:`arg_search`. With
     ``feature_major`` (sum and mean, no arg), ``x`` is ``(F, n)`` and the result
-    ``(F, m)``.
+    ``(F, m)``; ``data_transposed`` (sums) as in :func:`product`.
     """
     s = index.structure
     semiring = reduce
@@ -232,6 +249,7 @@ def reduce_rows(
         reduce=semiring,
         accumulate=reduce == "mean",
         feature_major=feature_major,
+        data_transposed=data_transposed,
         impl=impl,
         interpret=interpret,
     )
@@ -431,13 +449,16 @@ def _lowered_impl(
     has_data,
     accumulate: bool,
     feature_major: bool,
+    data_transposed: bool,
     reduce: str,
     impl,
     interpret: bool,
     platform: str,
 ) -> jax.Array:
     """What runs on one platform: the chosen backend's product (between transposes,
-    for a feature-major product on a backend without them)."""
+    for a feature-major product on a backend without them; after the values are put
+    in the view's order, for ``data_transposed`` on a backend that does not read them
+    through the permutation itself)."""
     x, data, index = _unpack(operands, index_tree, has_data)
     s = index.structure
     data_dtype = None if data is None else data.dtype
@@ -453,6 +474,11 @@ def _lowered_impl(
             f"{platform!r}); pass interpret=True to run it in Pallas interpret mode"
         )
     native = feature_major and backend.feature_major
+    options = {"feature_major": True} if native else {}
+    if data_transposed and backend.transposed_data:
+        options["data_transposed"] = True
+    elif data_transposed:
+        data = s.transpose().transpose_values(data)
     out = backend.product(
         x.T if feature_major and not native else x,
         data,
@@ -462,7 +488,7 @@ def _lowered_impl(
         out_dtype=out_dtype,
         interpret=interpret,
         platform=platform,
-        **({"feature_major": True} if native else {}),
+        **options,
     )
     return out.T if feature_major and not native else out
 
@@ -608,8 +634,16 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
     if ad.is_undefined_primal(x) and data is not None and ad.is_undefined_primal(data):
         raise ValueError("csr_matmul is bilinear: transpose w.r.t. only one of X, data")
     s = index.structure
+    flipped = params["data_transposed"]
     if ad.is_undefined_primal(x):
-        t_data = None if data is None else s.transpose_values(data)
+        t_data, t_params = data, params
+        if data is not None and s.layout.kind == "general":
+            # the values stay as they are: in the transpose's order, the product on the
+            # transpose reads them as its own (flag off) or through the permutation
+            t_params = {**params, "data_transposed": not flipped}
+        elif data is not None:
+            t_data = s.transpose_values(data)
+        params = t_params
         t_index = index.transpose()
         if params["accumulate"] and data is None and t_index.structure.one_per_row:
             # a row gather (the mean's backward): each value is one of ct's, so round
@@ -620,9 +654,10 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
         cts[0] = x_ct.astype(x.aval.dtype)
     if data is not None and ad.is_undefined_primal(data):  # the sampled product
         ct_rows, x_rows = (ct.T, x.T) if params["feature_major"] else (ct, x)
-        cts[1] = sample(
+        sampled = sample(
             ct_rows[:, None], x_rows[:, None], opaque(index), out_dtype=data.aval.dtype
         )[:, 0]
+        cts[1] = s.transpose_values(sampled) if flipped else sampled
     return cts
 
 

@@ -181,6 +181,52 @@ def test_traced_ids_drop_what_jax_ops_drops(rng, sorted_ids):
 SERIAL_WORK = 1 << 17
 
 
+def test_planned_transpose_reads_the_values_through_the_permutation(rng):
+    """The backward of ``G @ x`` and the forward of ``v @ G`` (G general, with values)
+    pull the planned transpose with G's values as they are, read through ``t_perm`` in
+    the kernel: no gather or scatter of the values in the compiled step. Against
+    float64 (widths 1, 16, 33, 88), and one thread against all bit for bit."""
+    G, _ = _matrix(rng, "general", m=300, n=1000, k=9000)
+    bwd = jax.jit(lambda G, x, ct: jax.vjp(lambda x: G @ x, x)[1](ct)[0])
+    fm = jax.jit(lambda G, v: v @ G)
+    for dtype in (np.float32, jnp.bfloat16):
+        H = G.with_data(G.data.astype(dtype))
+        dense = dense_of(H)
+        for f in (1, 16, 33, 88):
+            x = random_values(rng, (1000, f)).astype(dtype)
+            ct = random_values(rng, (300, f)).astype(dtype)
+            v = random_values(rng, (f, 300)).astype(dtype)
+            got = [bwd(H, x, ct), fm(H, v)]
+            assert_close(got[0], dense.T @ np.asarray(ct, np.float64), dtype)
+            assert_close(got[1], np.asarray(v, np.float64) @ dense, dtype)
+            with cpu.threads(1):
+                one = jax.jit(lambda G, x, ct: jax.vjp(lambda x: G @ x, x)[1](ct)[0])(H, x, ct)
+                one_fm = jax.jit(lambda G, v: v @ G)(H, v)
+            np.testing.assert_array_equal(np.asarray(one), np.asarray(got[0]))
+            np.testing.assert_array_equal(np.asarray(one_fm), np.asarray(got[1]))
+    x, ct, v = jnp.ones((1000, 4)), jnp.ones((300, 4)), jnp.ones((4, 300))
+    for compiled in (bwd.lower(G, x, ct).compile(), fm.lower(G, v).compile()):
+        text = compiled.as_text()
+        assert "jaxcsr_cpu_pull" in text and "t_perm" in text, text[-3000:]
+        assert " gather(" not in text and " scatter(" not in text, text[-3000:]
+
+
+def test_pull_refuses_bad_value_positions():
+    """The pull kernel's own guard: positions outside the values, or not one per entry,
+    are an error, never a read out of bounds."""
+    call = jax.ffi.ffi_call("jaxcsr_cpu_pull", jax.ShapeDtypeStruct((3, 2), jnp.float32))
+    indptr, cols = jnp.asarray([0, 1, 2, 3], jnp.int32), jnp.asarray([0, 1, 2], jnp.int32)
+    x, data = jnp.ones((3, 2), jnp.float32), jnp.ones((3,), jnp.float32)
+    attrs = {"max_threads": np.int64(0), "reduce": np.int64(0), "feature_major": np.int64(0)}
+    ok = call(indptr, cols, data, jnp.asarray([2, 0, 1], jnp.int32), x, **attrs)
+    np.testing.assert_array_equal(np.asarray(ok), np.ones((3, 2)))
+    bad = [(data, [0, 3, 1]), (data, [0, -1, 1]), (data, [0, 1]), (jnp.zeros((0,)), [0, 1, 2])]
+    for values, perm in bad:
+        with pytest.raises(Exception, match="jaxcsr cpu"):
+            perm = jnp.asarray(perm, jnp.int32)
+            jax.block_until_ready(call(indptr, cols, values, perm, x, **attrs))
+
+
 @pytest.mark.parametrize("kind", ["hub", "segment", "segment_sorted", "general"])
 def test_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
     A, _ = _matrix(rng, kind, m=300, n=1000, k=9000)
@@ -630,6 +676,10 @@ for trial in range(4):
             for out in (jaxcsr.matmul(A, v, reduce=reduce),
                         jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce=reduce),
                         G.T.with_data(G.T.data.astype(dtype)) @ y,
+                        # the planned transpose's values through t_perm (both layouts)
+                        jax.grad(lambda x, G=G.with_data(G.data.astype(dtype)):
+                                 jnp.sum(G @ x))(x),
+                        y.T @ G.with_data(G.data.astype(dtype)),
                         A.T @ y,  # one entry per row: the gather
                         traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1)),
                         jaxcsr.sddmm(G, jnp.asarray(rng.standard_normal((m, f)), dtype), x),

@@ -128,6 +128,55 @@ def test_feature_major_products_on_every_backend(rng, impl):
                     interpret=False, feature_major=True)  # fmt: skip
 
 
+@pytest.mark.parametrize("impl", ["xla", "cpu", "pallas_gpu", "pallas_tpu"])
+def test_values_in_the_transpose_order_on_every_backend(rng, impl):
+    """``data_transposed``: a general view's product with its values in the CSR order of
+    the view's transpose (what the backward pass binds). Both views, row-major and
+    feature-major, against float64; its gradients (the operand's, and the values' in
+    the order given) and a batch of values; refused for max and for one-per-column
+    views."""
+    if impl == "cpu" and not kernels.BACKENDS["cpu"].available():
+        pytest.skip("the CPU library is not built")
+    A = CSRMatrix.from_scipy(random_csr(rng, 23, 17, "empty_rows"), backends=ALL)
+
+    def check(B):
+        other = B.T  # its values are B's in the order B's transpose stores them
+        dense = dense_of(B)
+
+        def run(x, values, fm=False):
+            return ops.product(
+                x, values, B.index, reduce="sum", impl=impl, interpret=interpret_for(impl),
+                feature_major=fm, data_transposed=True,
+            )  # fmt: skip
+
+        x = random_values(rng, (B.shape[1], 5)).astype(np.float32)
+        x64 = x.astype(np.float64)
+        assert_close(run(x, other.data), dense @ x64, np.float32)
+        assert_close(run(x.T, other.data, fm=True), (dense @ x64).T, np.float32)
+        ct = random_values(rng, (B.shape[0], 5)).astype(np.float32)
+        grad_x = jax.grad(lambda x: jnp.sum(run(x, other.data) * ct))(x)
+        assert_close(grad_x, dense.T @ ct.astype(np.float64), np.float32)
+        grad_d = jax.grad(lambda d: jnp.sum(run(x, d) * ct))(other.data)
+        t = other.to_scipy().tocsr()  # the values' order: B's transpose's CSR order
+        cols_of_b = np.repeat(np.arange(t.shape[0]), np.diff(t.indptr))  # B's column
+        want = np.sum(ct[t.indices] * x[cols_of_b], axis=1)
+        assert_close(grad_d, want, np.float32)
+        batch = jnp.stack([other.data, 2 * other.data])
+        out = jax.vmap(lambda d: run(x, d))(batch)
+        assert_close(out, np.stack([dense @ x64, 2 * dense @ x64]), np.float32)
+
+    check(A)
+    check(A.T)
+    with pytest.raises(ValueError, match="data_transposed products are sums of general"):
+        ops.product(jnp.ones((17, 2)), A.T.data, A.index, reduce="max", impl=None,
+                    interpret=False, data_transposed=True)  # fmt: skip
+    segment = CSRMatrix.from_indices(power_law_ids(rng, 90, 23), num_rows=23, backends=ALL)
+    segment = segment.with_data(jnp.ones((90,)))
+    with pytest.raises(ValueError, match="data_transposed products are sums of general"):
+        ops.product(jnp.ones((90, 2)), segment.data, segment.index, reduce="sum", impl=None,
+                    interpret=False, data_transposed=True)  # fmt: skip
+
+
 def test_vector_operand_and_transpose(rng):
     mat = random_csr(rng, 45, 31, "power_law")
     A = CSRMatrix.from_scipy(mat, backends=ALL)

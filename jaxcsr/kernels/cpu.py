@@ -161,14 +161,20 @@ def runs(view: Structure, x_dtype, data_dtype, out_dtype) -> bool:
 
 def product(
     x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret, platform,
-    feature_major=False,
+    feature_major=False, data_transposed=False,
 ):  # fmt: skip
     """Backend entry: the viewed matrix times ``x`` with ``reduce``, natively. With
     ``feature_major``, ``x`` is ``(F, n)`` and the result ``(F, m)``: every kernel
-    reads and writes that layout as it is."""
+    reads and writes that layout as it is. With ``data_transposed`` (a general view,
+    its values in its transpose's CSR order), the pull of a transposed view reads
+    them through ``t_perm`` (each chunk of rows puts its own values in order first);
+    anything else permutes them before the call."""
     del cpu_plan, interpret
     data_dtype = None if data is None else data.dtype
-    if platform != "cpu" or not runs(view, x.dtype, data_dtype, out_dtype):
+    native = platform == "cpu" and runs(view, x.dtype, data_dtype, out_dtype)
+    if data_transposed and not (native and view.transposed):
+        data, data_transposed = view.transpose().transpose_values(data), False
+    if not native:
         out = xla.product(
             x.T if feature_major else x, data, view, None, reduce=reduce,
             out_dtype=out_dtype, interpret=False, platform=platform,
@@ -196,9 +202,11 @@ def product(
         cols = jnp.zeros((0,), jnp.int32)
     else:
         cols = view.view_indices()
+    # data_transposed: the view is a planned transpose, entry j's value is data[t_perm[j]]
+    perm = view.t_perm.astype(jnp.int32) if data_transposed else jnp.zeros((0,), jnp.int32)
     call = jax.ffi.ffi_call("jaxcsr_cpu_pull", out)
     indices = (indptr.astype(jnp.int32), cols.astype(jnp.int32))
-    return call(*indices, values, x, reduce=reduction, **attrs)
+    return call(*indices, values, perm, x, reduce=reduction, **attrs)
 
 
 def sddmm(ct, x, view: Structure, *, out_dtype):

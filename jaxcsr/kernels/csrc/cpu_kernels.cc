@@ -671,17 +671,45 @@ struct PushRows {
   }
 };
 
-// Returns false if a column index was outside [0, n) (those entries are skipped).
+// values[j] = data[perm[j]] for entries [j0, j1) (the values of a planned transpose,
+// read in its CSR order); a position outside [0, nnz) sets ``bad`` and reads 0.
+template <typename S>
+void permute_values(const S* data, const int32_t* perm, S* values, int64_t j0, int64_t j1,
+                    int64_t nnz, bool& bad) {
+  for (int64_t j = j0; j < j1; ++j) {
+    const uint64_t p = static_cast<uint32_t>(perm[j]);
+    if (p >= static_cast<uint64_t>(nnz)) {
+      bad = true;
+      values[j] = S{};
+      continue;
+    }
+    values[j] = data[p];
+  }
+}
+
+// Returns false if a column index was outside [0, n) (those entries are skipped) or a
+// position in ``perm`` outside the entries. With ``perm``, entry j's value is
+// data[perm[j]]: each chunk of rows puts its values in CSR order first, while they
+// stay in cache for its rows (no separate pass over all of them).
 template <typename In, typename Out, typename Op>
 bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
-              const int32_t* cols, const typename In::Storage* data,
+              const int32_t* cols, const typename In::Storage* data, const int32_t* perm,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
               int64_t f, int64_t n) {
+  using S = typename In::Storage;
+  const int64_t nnz = indptr[rows];
+  std::unique_ptr<S[]> permuted(perm && data ? new S[std::max<int64_t>(nnz, 1)] : nullptr);
   return over_row_chunks(pool, max_threads, indptr, rows, f, cols != nullptr,
                          [&](int64_t lo, int64_t hi, bool& bad) {
+                           const S* values = data;
+                           if (permuted) {
+                             permute_values(data, perm, permuted.get(), indptr[lo], indptr[hi],
+                                            nnz, bad);
+                             values = permuted.get();
+                           }
                            std::vector<float> acc(f);
-                           run_best<PullRows<In, Out, Op>>(indptr, cols, data, x, y, f, lo, hi,
-                                                           acc.data(),
+                           run_best<PullRows<In, Out, Op>>(indptr, cols, values, x, y, f, lo,
+                                                           hi, acc.data(),
                                                            static_cast<uint64_t>(n), bad);
                          });
 }
@@ -794,8 +822,8 @@ bool pull_feature_major(ffi::ThreadPool& pool, int64_t max_threads, const int32_
   const int64_t threads = thread_count(pool, max_threads);
   std::atomic<bool> ok{true};
   auto one = [&](int64_t k, int64_t inner) {
-    if (!csr_pull<In, Out, Op>(pool, inner, indptr, cols, data, x + k * n, y + k * rows, rows,
-                               1, n))
+    if (!csr_pull<In, Out, Op>(pool, inner, indptr, cols, data, nullptr, x + k * n,
+                               y + k * rows, rows, 1, n))
       ok.store(false);
   };
   if (threads > 1 && f >= threads && int64_t{indptr[rows]} * f >= kSerialWork) {
@@ -989,14 +1017,39 @@ ffi::Error dispatch(ffi::DataType in, ffi::DataType out, int64_t reduce, Args&&.
 template <typename In, typename Out, typename Op>
 struct PullKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
-                        const int32_t* cols, const void* data, const void* x, void* y,
-                        int64_t rows, int64_t f, int64_t n, bool feature_major) {
-    const auto pull = feature_major ? pull_feature_major<In, Out, Op> : csr_pull<In, Out, Op>;
-    const bool ok = pull(pool, max_threads, indptr, cols,
-                         static_cast<const typename In::Storage*>(data),
-                         static_cast<const typename In::Storage*>(x),
-                         static_cast<typename Out::Storage*>(y), rows, f, n);
-    if (!ok) return ffi::Error::InvalidArgument("jaxcsr cpu: a column index is out of range");
+                        const int32_t* cols, const void* data, const int32_t* perm,
+                        const void* x, void* y, int64_t rows, int64_t f, int64_t n,
+                        bool feature_major) {
+    using S = typename In::Storage;
+    const S* values = static_cast<const S*>(data);
+    const auto* xs = static_cast<const S*>(x);
+    auto* ys = static_cast<typename Out::Storage*>(y);
+    bool ok = true;
+    if (!feature_major) {
+      ok = csr_pull<In, Out, Op>(pool, max_threads, indptr, cols, values, perm, xs, ys, rows, f,
+                                 n);
+    } else {  // one pull per feature: the values put in order once, in parallel
+      const int64_t nnz = indptr[rows];
+      std::unique_ptr<S[]> permuted(perm && values ? new S[std::max<int64_t>(nnz, 1)] : nullptr);
+      if (permuted) {
+        std::atomic<bool> bad{false};
+        const int64_t threads = thread_count(pool, max_threads);
+        const int64_t chunks = chunk_count(nnz, threads, 4, 65536);
+        parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+          bool mine = false;
+          permute_values(values, perm, permuted.get(), nnz * c / chunks, nnz * (c + 1) / chunks,
+                         nnz, mine);
+          if (mine) bad.store(true);
+        });
+        ok = !bad.load();
+        values = permuted.get();
+      }
+      ok = pull_feature_major<In, Out, Op>(pool, max_threads, indptr, cols, values, xs, ys, rows,
+                                           f, n) && ok;
+    }
+    if (!ok)
+      return ffi::Error::InvalidArgument(
+          "jaxcsr cpu: a column index or a value position is out of range");
     return ffi::Error::Success();
   }
 };
@@ -1040,7 +1093,8 @@ bool valid_indptr(const int32_t* indptr, int64_t rows, int64_t nnz) {
 }
 
 ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
-                       ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer data, ffi::AnyBuffer x,
+                       ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer data,
+                       ffi::Buffer<ffi::S32> perm, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce,
                        int64_t feature_major) {
   const int64_t rows = static_cast<int64_t>(indptr.element_count()) - 1;
@@ -1056,9 +1110,13 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
       (has_data && static_cast<int64_t>(data.element_count()) != nnz) ||
       (has_data && data.element_type() != x.element_type()))
     return ffi::Error::InvalidArgument("jaxcsr cpu: cols/data do not match indptr");
+  const bool has_perm = perm.element_count() > 0;
+  if (has_perm && (!has_data || static_cast<int64_t>(perm.element_count()) != nnz))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: perm does not match the values");
   return dispatch<PullKernel>(x.element_type(), y->element_type(), reduce, pool, max_threads,
                               indptr.typed_data(), has_cols ? cols.typed_data() : nullptr,
-                              has_data ? data.untyped_data() : nullptr, x.untyped_data(),
+                              has_data ? data.untyped_data() : nullptr,
+                              has_perm ? perm.typed_data() : nullptr, x.untyped_data(),
                               y->untyped_data(), rows, f, n, fm);
 }
 
@@ -1716,8 +1774,8 @@ ffi::Error SoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr, ffi::
                                  y->untyped_data(), m, entries, h);
 }
 
-// Both products: (indptr, columns or ids, values or empty, x) -> y, with attributes.
-auto product_binding() {
+// The push: (indptr, ids, values or empty, x) -> y, with attributes.
+auto push_binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
       .Arg<ffi::Buffer<ffi::S32>>()
@@ -1730,11 +1788,27 @@ auto product_binding() {
       .Attr<int64_t>("feature_major");
 }
 
+// The pull: (indptr, columns or empty, values or empty, value positions or empty, x) -> y;
+// with positions, entry j's value is values[positions[j]] (a planned transpose's).
+auto pull_binding() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::ThreadPool>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::AnyBuffer>()
+      .Ret<ffi::AnyBuffer>()
+      .Attr<int64_t>("max_threads")
+      .Attr<int64_t>("reduce")
+      .Attr<int64_t>("feature_major");
+}
+
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrCsrPull, CsrPullImpl, product_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrCsrPull, CsrPullImpl, pull_binding());
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrRowPush, RowPushImpl, product_binding());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrRowPush, RowPushImpl, push_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrArgSearch, ArgSearchImpl,
                               ffi::Ffi::Bind()
