@@ -447,7 +447,7 @@ JAXCSR_INLINE void pull_rows_vectors(const int32_t* indptr, const int32_t* cols,
                                    n, bad);
 }
 
-// Rows [lo, hi) of the pull product for f > 64 features, a multiple of 8: each row in
+// Rows [lo, hi) of the pull product for f > 64 gathered features, a multiple of 8: each row in
 // blocks of 64 features (then one of the rest), every block one pass over the row's
 // entries with its accumulators in registers (no accumulator row in memory, loaded and
 // stored at every entry). Each feature is reduced in CSR order: the same bits.
@@ -545,7 +545,9 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
       case 64: return pull_rows_vectors<In, Out, Op, 8>(indptr, cols, data, x, y, lo, hi, n, bad);
       default: break;
     }
-    if (f > 64 && f % 8 == 0)
+    // gathered rows only: with x streamed (sorted segment ids) the blocks measured no
+    // faster for sums and 1.7x slower for max (tolokers, F = 256), so those keep the loop
+    if (cols && f > 64 && f % 8 == 0)
       return pull_rows_blocks<In, Out, Op>(indptr, cols, data, x, y, f, lo, hi, n, bad);
   }
   constexpr int64_t kWidth = 32;
