@@ -475,7 +475,8 @@ def _lowered_impl(
         )
     native = feature_major and backend.feature_major
     options = {"feature_major": True} if native else {}
-    if data_transposed and backend.transposed_data:
+    reads = backend.transposed_data
+    if data_transposed and reads is not None and reads(s, platform, x.dtype, data_dtype, out_dtype):
         options["data_transposed"] = True
     elif data_transposed:
         data = s.transpose().transpose_values(data)

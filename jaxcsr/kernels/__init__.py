@@ -94,11 +94,12 @@ class Backend:
       feature_major: whether ``product`` takes ``feature_major=True``: ``x`` as ``(F, n)``
         and the result as ``(F, m)`` (the layout of ``values @ A.T``), without
         transposes. Without it the primitive transposes around the row-major product.
-      transposed_data: whether ``product`` takes ``data_transposed=True`` (a sum of a
+      transposed_data: ``(view, platform, x_dtype, data_dtype, out_dtype) -> bool``,
+        whether ``product`` takes ``data_transposed=True`` for that product (a sum of a
         ``"general"`` view whose values are in the CSR order of the view's transpose,
-        as the backward pass has them): the backend reads them through the planned
-        permutation (or permutes them itself). Without it the primitive permutes the
-        values first (one gather of ``nnz`` values per product).
+        as the backward pass has them) and reads them through the planned permutation.
+        Where it says no (``None``: never), the primitive permutes the values first
+        (one gather of ``nnz`` values per product).
       device_plan: ``Structure (device leaves, may be traced) -> plan pytree``, the
         twin of ``plan`` in ``jnp``/``lax``, for matrices planned inside a trace
         (traced ids); equal to ``plan``'s result element for element. ``None``: the
@@ -118,7 +119,7 @@ class Backend:
     softmax: Callable[..., jax.Array] | None = None
     device_plan: Callable[[Structure], Any] | None = None
     feature_major: bool = False
-    transposed_data: bool = False
+    transposed_data: Callable[..., bool] | None = None
     missing: str = "the Pallas backend this kernel is written in"
 
     def require_available(self) -> None:
@@ -254,7 +255,7 @@ register(
         softmax=cpu.softmax,
         device_plan=cpu.plan,
         feature_major=True,
-        transposed_data=True,
+        transposed_data=cpu.reads_transposed_data,
         missing="jaxcsr's compiled CPU library (built by pip install with a C++17 compiler)",
     )
 )

@@ -72,6 +72,7 @@ __all__ = [
     "library_path",
     "plan",
     "product",
+    "reads_transposed_data",
     "sddmm",
     "softmax",
     "threads",
@@ -159,22 +160,24 @@ def runs(view: Structure, x_dtype, data_dtype, out_dtype) -> bool:
     )
 
 
+def reads_transposed_data(view: Structure, platform, x_dtype, data_dtype, out_dtype) -> bool:
+    """Backend entry (``Backend.transposed_data``): the native pull of a planned
+    transpose reads values given in the planned orientation's order through ``t_perm``
+    (each chunk of rows puts its own values in order first)."""
+    return platform == "cpu" and view.transposed and runs(view, x_dtype, data_dtype, out_dtype)
+
+
 def product(
     x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret, platform,
     feature_major=False, data_transposed=False,
 ):  # fmt: skip
     """Backend entry: the viewed matrix times ``x`` with ``reduce``, natively. With
     ``feature_major``, ``x`` is ``(F, n)`` and the result ``(F, m)``: every kernel
-    reads and writes that layout as it is. With ``data_transposed`` (a general view,
-    its values in its transpose's CSR order), the pull of a transposed view reads
-    them through ``t_perm`` (each chunk of rows puts its own values in order first);
-    anything else permutes them before the call."""
+    reads and writes that layout as it is. ``data_transposed`` comes only where
+    :func:`reads_transposed_data` said yes."""
     del cpu_plan, interpret
     data_dtype = None if data is None else data.dtype
-    native = platform == "cpu" and runs(view, x.dtype, data_dtype, out_dtype)
-    if data_transposed and not (native and view.transposed):
-        data, data_transposed = view.transpose().transpose_values(data), False
-    if not native:
+    if platform != "cpu" or not runs(view, x.dtype, data_dtype, out_dtype):
         out = xla.product(
             x.T if feature_major else x, data, view, None, reduce=reduce,
             out_dtype=out_dtype, interpret=False, platform=platform,
