@@ -39,10 +39,11 @@ back at the end. A row whose scores are all ``-inf`` gives NaN, as ``jax.nn.soft
 The forward and the tangent are primitives (:data:`softmax_p`,
 :data:`softmax_tangent_p`) lowered per platform: where the backend that runs the
 pattern's products has a fused softmax (:attr:`jaxcsr.kernels.Backend.softmax`: the
-native CPU backend, for patterns sorted by row -- ``edge_softmax``'s, sorted segment
-ids) it runs that, one pass per row with the exact max shift; everywhere else the
-composition above. The tangent's transpose is itself (per row it is
-``diag(p) - p p^T``, symmetric), and its own JVP is the composition's.
+native CPU backend: one pass per row, always max-shifted, for patterns sorted by row
+-- ``edge_softmax``'s, sorted segment ids --; pushes in input order for unsorted
+segment ids, with the fast path's bounds above) it runs that; everywhere else the
+composition above. The tangent's transpose is itself (per row it is ``diag(p) - p
+p^T``, symmetric), and its own JVP is the composition's.
 """
 
 from __future__ import annotations

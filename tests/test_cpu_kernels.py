@@ -437,8 +437,10 @@ def test_native_arg_search_threads_agree(rng, kind):
         assert C.nnz * f >= SERIAL_WORK
         out = jaxcsr.matmul(C, x, reduce="max", impl="xla")
         search = jax.jit(cpu.arg_columns)
-        with cpu.threads(1):
-            one = np.asarray(jax.jit(cpu.arg_columns)(x, None, C.structure, out))
+        with cpu.threads(1):  # another function: jit caches by function, not by the cap
+            one = jax.jit(lambda x, d, s, o: cpu.arg_columns(x, d, s, o))
+            assert "max_threads = 1" in one.lower(x, None, C.structure, out).as_text()
+            one = np.asarray(one(x, None, C.structure, out))
         every = np.asarray(search(x, None, C.structure, out))
         np.testing.assert_array_equal(one, every)
         want = xla.extreme_columns(x, None, C.structure, out)
@@ -482,12 +484,11 @@ SOFTMAX_KINDS += ["duplicates"]
 
 @pytest.mark.parametrize("kind", SOFTMAX_KINDS)
 def test_native_softmax_and_its_gradient_match_float64(rng, kind):
-    """The fused kernel (forward and backward from the output) on every pattern kind
-    it runs (patterns sorted by row), three dtypes, one head (the eight-lane path), 5
-    and 40 heads, 80 (with AVX-512: blocks of 64 and 16 heads in sixteen lanes);
-    unsorted ids run the XLA composition, checked here too."""
+    """The fused kernel (forward and backward from the output) on every pattern kind:
+    rows in order (sorted ids, CSR patterns) and unsorted ids (pushes in input order);
+    three dtypes, one head (the eight-lane path), 5 and 40 heads, 80 (with AVX-512:
+    sixteen lanes; sorted rows in blocks of 64 and 16 heads)."""
     softmax, rows, m = _softmax_case(rng, kind)
-    native = kind not in ("segment", "hub")
     for dtype in DTYPES:
         for heads in (1, 5, 40, 80):
             x = jnp.asarray(3 * rng.standard_normal((len(rows), heads)), dtype)
@@ -495,7 +496,7 @@ def test_native_softmax_and_its_gradient_match_float64(rng, kind):
             forward = jax.jit(softmax)
             backward = jax.jit(lambda x, g: jax.vjp(softmax, x)[1](g)[0])
             calls = backward.lower(x, g).as_text().count("jaxcsr_cpu_softmax")
-            assert calls == (2 if native else 0), kind
+            assert calls == 2, kind
             want = softmax_reference(x, rows, m)
             assert_close(forward(x), want, dtype)
             assert_close(backward(x, g), softmax_grad_reference(want, g, rows, m), dtype)
@@ -551,46 +552,70 @@ def test_native_softmax_special_values_match_the_xla_path(rng, kind):
     assert np.array_equal(np.isnan(np.asarray(native)), np.isnan(want))
 
 
+@pytest.mark.parametrize("heads", [1, 3, 16])
 @pytest.mark.parametrize("sorted_ids", [False, True])
-def test_native_softmax_of_traced_ids_drops_what_jax_ops_drops(rng, sorted_ids):
+def test_native_softmax_of_traced_ids_drops_what_jax_ops_drops(rng, sorted_ids, heads):
+    """Padded layouts: dropped entries are 0 forward (even where their exp overflows)
+    and ``p * g`` backward; one head, an eight-lane tail, sixteen lanes."""
     ids = power_law_ids(rng, K, M)
     ids[rng.random(K) < 0.1] = M + 3
     if sorted_ids:
         ids = np.sort(ids)
     else:
         ids[rng.random(K) < 0.05] = -2
-    x = jnp.asarray(rng.standard_normal((K, 3)), np.float32)
-    g = jnp.asarray(rng.standard_normal((K, 3)), np.float32)
+    x = rng.standard_normal((K, heads))
+    x[ids == M + 3] += 200.0  # exp overflows there: still 0
+    g = rng.standard_normal((K, heads))
 
     def softmax(i, x):
         return jaxcsr.segment_softmax(x, i, M, indices_are_sorted=sorted_ids)
 
     forward = jax.jit(softmax)
     backward = jax.jit(lambda i, x, g: jax.vjp(lambda x: softmax(i, x), x)[1](g)[0])
-    native = "jaxcsr_cpu_softmax" in forward.lower(jnp.asarray(ids), x).as_text()
-    assert native == sorted_ids  # unsorted ids: the XLA composition
-    want = softmax_reference(x, ids, M)
-    assert_close(forward(jnp.asarray(ids), x), want, np.float32)
-    assert_close(
-        backward(jnp.asarray(ids), x, g), softmax_grad_reference(want, g, ids, M), np.float32
-    )
+    for dtype in (np.float32, jnp.bfloat16):  # exps kept in the output, and recomputed
+        xd, gd = jnp.asarray(x, dtype), jnp.asarray(g, dtype)
+        assert "jaxcsr_cpu_softmax" in forward.lower(jnp.asarray(ids), xd).as_text()
+        want = softmax_reference(xd, ids, M)
+        assert_close(forward(jnp.asarray(ids), xd), want, dtype)
+        g_want = softmax_grad_reference(want, gd, ids, M)
+        assert_close(backward(jnp.asarray(ids), xd, gd), g_want, dtype)
 
 
-@pytest.mark.parametrize("kind", ["segment_sorted", "hub_sorted", "general"])
+@pytest.mark.parametrize(
+    "kind", ["segment_sorted", "hub_sorted", "general", "segment", "hub", "segment_wide"]
+)
 def test_native_softmax_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
-    """Large enough for several chunks of rows on several threads."""
-    softmax, rows, _ = _softmax_case(rng, kind, size=20_000)
+    """Large enough for several chunks of rows on several threads; unsorted ids in 4
+    pieces of entries (``segment``, ``hub``) and in one piece with its 32 heads split
+    over the threads (``segment_wide``: few entries per row), both branches of the
+    forward (unshifted, and shifted where one row's sum overflows)."""
+    heads = 32 if kind == "segment_wide" else 8
+    if kind == "segment_wide":
+        ids = power_law_ids(rng, 20_000, 9000)
+        rows = ids
+
+        def softmax(x):
+            return jaxcsr.segment_softmax(x, ids, 9000)
+    else:
+        softmax, rows, _ = _softmax_case(rng, kind, size=20_000)
     assert len(rows) * 8 >= SERIAL_WORK
-    x = jnp.asarray(rng.standard_normal((len(rows), 8)), np.float32)
-    g = jnp.asarray(rng.standard_normal((len(rows), 8)), np.float32)
+    x = jnp.asarray(rng.standard_normal((len(rows), heads)), np.float32)
+    g = jnp.asarray(rng.standard_normal((len(rows), heads)), np.float32)
+    overflowing = x.at[np.flatnonzero(rows == rows[0])].add(100.0)  # the shifted branch
+    for scores in (x, overflowing):
+        _one_thread_and_all_agree(softmax, scores, g)
+
+
+def _one_thread_and_all_agree(softmax, x, g):
+    """The softmax and its gradient on one thread and on all: the same bits."""
 
     def both(x, g):
         out, vjp = jax.vjp(softmax, x)
         return out, vjp(g)[0]
 
     every = jax.jit(both)
-    with cpu.threads(1):
-        one = jax.jit(both)
+    with cpu.threads(1):  # another function: jit caches by function, not by the cap
+        one = jax.jit(lambda x, g: both(x, g))
         assert "max_threads = 1" in one.lower(x, g).as_text()
         y1 = one(x, g)
     for a, b in zip(y1, every(x, g), strict=True):
@@ -598,13 +623,26 @@ def test_native_softmax_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
 
 
 def test_native_softmax_refuses_a_corrupted_row_pointer():
-    """The kernel's own guard: a row pointer past the entries is an error, not a read."""
+    """The kernel's own guards: a row pointer past the entries (sorted rows), or ids
+    of another length than the scores (unsorted), is an error, not a read."""
     call = jax.ffi.ffi_call("jaxcsr_cpu_softmax", jax.ShapeDtypeStruct((4, 2), jnp.float32))
     x, empty = jnp.ones((4, 2), jnp.float32), jnp.zeros((0,), jnp.float32)
+    none = jnp.zeros((0,), jnp.int32)
     for indptr in ([0, 3, 9], [0, 3, 2], [1, 2, 4], [0, -1, 4]):
         with pytest.raises(Exception, match="jaxcsr cpu"):
             indptr = jnp.asarray(indptr, jnp.int32)
-            jax.block_until_ready(call(indptr, x, empty, max_threads=np.int64(0)))
+            jax.block_until_ready(call(indptr, none, x, empty, max_threads=np.int64(0)))
+    indptr = jnp.asarray([0, 2, 4], jnp.int32)
+    for ids in ([0, 1, 1], [0, 1, 1, 0, 1]):
+        with pytest.raises(Exception, match="jaxcsr cpu"):
+            ids = jnp.asarray(ids, jnp.int32)
+            jax.block_until_ready(call(indptr, ids, x, empty, max_threads=np.int64(0)))
+    # ids outside the rows belong to none: 0, never a read or write out of bounds
+    ids = jnp.asarray([0, 7, -1, 1], jnp.int32)
+    np.testing.assert_allclose(
+        np.asarray(call(indptr, ids, x, empty, max_threads=np.int64(0))),
+        [[1, 1], [0, 0], [0, 0], [1, 1]],
+    )
 
 
 HIDDEN = """
@@ -695,8 +733,13 @@ for trial in range(4):
             out = (jax.vjp(lambda w: w @ A.T, v.T)[1](y.T),
                    y.T @ G.with_data(G.data.astype(dtype)))
             jax.block_until_ready(out)
-            # the fused softmax and its backward: unsorted/sorted ids, CSR patterns
+            # the fused softmax and its backward: unsorted/sorted ids (both branches:
+            # + 100 overflows the unshifted sums), traced ids with some dropped, CSR patterns
+            dropped = jnp.asarray(np.where(rng.random(k) < 0.2, m + 2, ids))
+            traced_softmax = jax.jit(lambda s, i: jaxcsr.segment_softmax(s, i, int(m)))
             for fn, s in ((lambda s: jaxcsr.segment_softmax(s, ids, int(m)), v),
+                          (lambda s: jaxcsr.segment_softmax(s, ids, int(m)), v + 100),
+                          (lambda s: traced_softmax(s, dropped), v),
                           (lambda s: jaxcsr.edge_softmax(G, s), jnp.asarray(
                               rng.standard_normal((G.nnz, f)), dtype))):
                 out, vjp = jax.vjp(fn, s)

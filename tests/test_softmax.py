@@ -149,11 +149,26 @@ def test_rows_peaking_near_exp_limit(rng, dtype, backends):
                 g_want = softmax_grad_reference(want, g, rows, 2)
                 assert_close(grad(s.astype(jnp.float32)), g_want, np.float32)
 
+    # the same rows as unsorted segment ids (the native kernel's pushes, on CPU)
+    order = np.array([3, 0, 1, 4, 2])
+    ids = rows[order]
+    impl = None if backends is None else "xla"
+    seg = jax.jit(lambda s: jaxcsr.segment_softmax(s, ids, 2, impl=impl))
+
+    def check_unsorted(jdtype, tol_dtype):
+        for peak in _PEAKS[dtype]:
+            base = np.array([peak, peak - 0.75, peak - 4.0, 1.5, -0.5])
+            s = jnp.asarray(np.stack([base, base[[1, 0, 2, 4, 3]]], axis=1)[order], jdtype)
+            want = softmax_reference(np.asarray(s, np.float64), ids, 2)
+            assert_close(seg(s), want, tol_dtype)
+
     if dtype == "float64":
         with jax.enable_x64(True):
             check(jnp.float64, np.float64)
+            check_unsorted(jnp.float64, np.float64)
     else:
         check(jnp.dtype(dtype), np.dtype(dtype))
+        check_unsorted(jnp.dtype(dtype), np.dtype(dtype))
 
 
 @pytest.mark.parametrize("dtype", ["float32", "float64"])
@@ -184,7 +199,8 @@ def test_safe_total_edge_in_results():
     """Just above SAFE_TOTAL the composition's fast path runs: an entry whose exp
     underflows gets 0 (its true probability is e**-80 ~ 1.8e-35, below the documented
     1.3e-26); just below it the exact branch runs and gets e**-80. The fused kernel
-    always shifts: e**-80 on both sides."""
+    over rows in order always shifts: e**-80 on both sides. Unsorted segment ids take
+    the fast path on every backend (the native kernel's pushes check the same bounds)."""
     edge = -40 * np.log(2.0)  # ln SAFE_TOTAL, the documented 2**-40 (not read from the code)
     for backends in (XLA, None):
         A = CSRMatrix.from_dense(np.ones((1, 2), np.float32), backends=backends)
@@ -195,6 +211,14 @@ def test_safe_total_edge_in_results():
             pytest.approx(np.exp(-80.0), rel=1e-4) if fused else 0.0
         )
         assert below[0] == 1.0 and below[1] == pytest.approx(np.exp(-80.0), rel=1e-4, abs=0)
+        # unsorted segment ids: the native kernel (pushes) has the composition's fast path
+        ids = np.array([0, 1, 0])
+        for shift, fast in ((0.05, True), (-0.05, False)):
+            s = jnp.array([edge + shift - 80.0, 1.0, edge + shift])
+            impl = None if backends is None else "xla"
+            out = np.asarray(jaxcsr.segment_softmax(s, ids, 2, impl=impl))
+            assert out[2] == 1.0 and out[1] == 1.0
+            assert out[0] == (0.0 if fast else pytest.approx(np.exp(-80.0), rel=1e-4, abs=0))
 
 
 def test_eager_calls_compile_once(rng):

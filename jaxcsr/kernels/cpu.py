@@ -31,9 +31,11 @@ thread count: results are bit-identical for any number of threads.
     ``out[k] = ct[row k] . x[col k]`` (:func:`sddmm`, the values' gradient): per row
     for general views, per entry in input order for one-per-column views.
 ``softmax``
-    The softmax over rows (:func:`softmax`: ``edge_softmax``, ``segment_softmax``
-    with sorted ids) and its tangent, fused: each row's max, ``exp`` and sum, then
-    the normalised output, one row at a time while it is in cache; ``exp`` is the
+    The softmax over rows (:func:`softmax`: ``edge_softmax``, ``segment_softmax``)
+    and its tangent, fused: for entries sorted by row, each row's max, ``exp`` and
+    sum, then the normalised output, one row at a time while it is in cache; for
+    unsorted segment ids, pushes in input order (max, then sum of ``exp``, into
+    per-row statistics) and one scaling pass; ``exp`` is the
     kernel's own (eight lanes at a time, sixteen with AVX-512 for head counts that
     are multiples of 16, the same bits either way; within 1 ulp of float64 on every
     float32 input in [-110, 90], checked exhaustively).
@@ -243,22 +245,25 @@ def sddmm(ct, x, view: Structure, *, out_dtype):
 
 def softmax(x, g, view: Structure, *, out_dtype, fallback):
     """Backend entry: the softmax of ``x`` (``(n, H)``) over the rows of the
-    one-per-column ``view``, or with ``g`` its tangent from the output ``x``,
-    natively when the view's entries are sorted by row (``edge_softmax``'s pattern,
-    sorted segment ids); ``fallback()`` otherwise.
+    one-per-column ``view``, or with ``g`` its tangent from the output ``x``, natively;
+    ``fallback()`` for dtypes the kernels do not take.
 
-    Each row is shifted by its own max (no unshifted fast path, no ``lax.cond``) and
-    reduced in one fixed order: bit-identical for any thread count. Unsorted segment
-    ids run the XLA composition: measured faster than a kernel whose row owners scan
-    every id (branch mispredictions on ids in random order) and than sorting the
-    values first (two gathers of ``(n, H)``): docs/cpu.md."""
+    Entries sorted by row (``edge_softmax``'s pattern, sorted segment ids) run one
+    row at a time while it is in cache; unsorted segment ids run pushes that stream
+    ``x`` in input order (each row's max, then its sum of ``exp(x - max)``, then the
+    scaling, entry by entry). Each row is shifted by its own max (no unshifted fast
+    path, no ``lax.cond``) and reduced in one order fixed by the sizes: bit-identical
+    for any thread count."""
     dtype = x.dtype if g is None else product_dtype(x.dtype, g.dtype)
-    if not (runs(view, dtype, None, out_dtype) and view.one_per_column and view.sorted_ids):
+    if not (runs(view, dtype, None, out_dtype) and view.one_per_column):
         return fallback()
     x = x.astype(dtype)
     g = jnp.zeros((0,), dtype) if g is None else g.astype(dtype)
+    # unsorted: the row of every entry as given (a padded layout's dropped ids outside
+    # [0, m) belong to no row)
+    ids = jnp.zeros((0,), jnp.int32) if view.sorted_ids else view.row_of_col.astype(jnp.int32)
     call = jax.ffi.ffi_call("jaxcsr_cpu_softmax", jax.ShapeDtypeStruct(x.shape, out_dtype))
-    return call(view.indptr, x, g, max_threads=np.int64(_MAX_THREADS))
+    return call(view.indptr, ids, x, g, max_threads=np.int64(_MAX_THREADS))
 
 
 def _arg_operands(x, data, out):

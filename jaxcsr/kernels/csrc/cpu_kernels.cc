@@ -716,6 +716,13 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                          });
 }
 
+// The pieces of a push of ``entries`` into ``rows`` rows of f floats (row_push).
+int64_t push_pieces(int64_t rows, int64_t entries, int64_t f) {
+  const int64_t by_memory = (int64_t{8} << 20) / (4 * std::max<int64_t>(rows * f, 1));
+  const int64_t most = std::min<int64_t>({4, entries / std::max<int64_t>(4 * rows, 1), by_memory});
+  return most >= 4 ? 4 : most >= 2 ? 2 : 1;  // 3 would leave a thread idle
+}
+
 // The push product in P pieces of consecutive entries, P fixed by the sizes alone
 // (1, 2 or 4, at least 4 entries per row and piece, the partials within 8 MiB: their
 // fill and merge must stay small next to the entries' own work; measured on 2 cores
@@ -734,9 +741,7 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
               int64_t entries, int64_t f) {
   const int64_t threads = entries * f < kSerialWork ? 1 : thread_count(pool, max_threads);
-  const int64_t by_memory = (int64_t{8} << 20) / (4 * std::max<int64_t>(rows * f, 1));
-  const int64_t most = std::min<int64_t>({4, entries / std::max<int64_t>(4 * rows, 1), by_memory});
-  const int64_t pieces = most >= 4 ? 4 : most >= 2 ? 2 : 1;  // 3 would leave a thread idle
+  const int64_t pieces = push_pieces(rows, entries, f);
   // float32 sums with one piece accumulate in the output itself
   constexpr bool f32_sum = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
   const bool direct = f32_sum && pieces == 1;
@@ -1722,14 +1727,370 @@ struct SoftmaxSorted {
   }
 };
 
+// ------------------------------------------------------------------ softmax, unsorted ids
+// The softmax over the rows of a one-per-column pattern whose ids come in any order
+// (segment_softmax on unsorted ids) and its tangent, as pushes that stream x in input
+// order (a pull through the sort permutation reads rows of x at random, and row
+// owners that scan every id mispredict a branch per id). Forward: each row's sum of
+// exp(x) (a sum push; the exps kept in y for float32 outputs) -- shifted by the row's
+// max (a max push first) only where the unshifted sums are unsafe --, then
+// y = exp(x - shift) * (1 / sum) entry by entry. Tangent: each row's sum of p * g,
+// then y = p * g - p * sum. The pushes split as the product's
+// push does (row_push: 1, 2 or 4 pieces of consecutive entries into private (m, h)
+// partials combined in piece order, or one piece with its heads split over the
+// threads), and the last pass is elementwise: every row is reduced in one order fixed
+// by the sizes, bit-identical for any thread count. An id outside [0, m) belongs to
+// no row: its entry is 0 forward and p * g in the tangent (the XLA path's values).
+
+// What a push sums (or maxes) per row: x (max), exp(x - peak[row]), or x * g.
+enum class Pushed { kPeak, kExp, kProduct };
+
+template <typename In, typename Out, Pushed What>
+struct SoftmaxPushRows {
+  using S = typename In::Storage;
+  using Y = typename Out::Storage;
+  using Op = typename std::conditional<What == Pushed::kPeak, Max, Sum>::type;
+  static constexpr bool kKeep = What == Pushed::kExp && std::is_same<Out, F32>::value;
+
+  // Heads [c, c + w) of one entry (x + at, g + at) whose row's statistics start at
+  // peak + top (w >= 8: a whole vector); exps are kept in y + at.
+  JAXCSR_INLINE static f32x8 value(const S* x, const S* g, const float* peak, Y* y, int64_t at,
+                                   int64_t top, int64_t w) {
+    if constexpr (What == Pushed::kPeak) {
+      return load8<In>(x + at, w, -__builtin_inff());
+    } else if constexpr (What == Pushed::kProduct) {
+      return load8<In>(x + at, w, 0.0f) * load8<In>(g + at, w, 0.0f);
+    } else {
+      const f32x8 shift = peak ? load8f(peak + top, w) : splat(0.0f);
+      const f32x8 e = exp8(load8<In>(x + at, w, 0.0f) - shift);
+      if constexpr (kKeep) store8<F32>(y + at, e, w);
+      return e;
+    }
+  }
+
+  // Entries [k0, k1), heads [c0, c1) of h, into acc (m rows of h floats).
+  JAXCSR_INLINE static void run(const int32_t* ids, const S* x, const S* g, const float* peak,
+                                Y* y, float* acc, int64_t m, int64_t h, int64_t c0, int64_t c1,
+                                int64_t k0, int64_t k1) {
+    if (h == 1) return run_one_head(ids, x, g, peak, y, acc, m, k0, k1);
+    constexpr int64_t kAhead = 16;
+    for (int64_t k = k0; k < k1; ++k) {
+      if (k + kAhead < k1) {  // the lines of the row (its peak, its x) 16 entries ahead
+        const uint64_t ahead = static_cast<uint32_t>(ids[k + kAhead]);
+        const int64_t row = (ahead < static_cast<uint64_t>(m) ? ahead : 0) * h;
+        for (int64_t c = c0; c < c1; c += 16) {
+          __builtin_prefetch(acc + row + c, 1);
+          __builtin_prefetch(x + (k + kAhead) * h + c);
+          if (What == Pushed::kExp && peak) __builtin_prefetch(peak + row + c);
+        }
+      }
+      const uint64_t r = static_cast<uint32_t>(ids[k]);
+      if (r >= static_cast<uint64_t>(m)) continue;
+      for (int64_t c = c0; c < c1; c += 8) {
+        const int64_t w = c1 - c;
+        float* a = acc + r * h + c;
+        const f32x8 v = value(x, g, peak, y, k * h + c, r * h + c, w);
+        store8<F32>(a, combine8<Op>(load8f(a, w), v), w);
+      }
+    }
+  }
+
+  // One head: eight entries at a time (one exp for eight), added to their rows in
+  // input order.
+  JAXCSR_INLINE static void run_one_head(const int32_t* ids, const S* x, const S* g,
+                                         const float* peak, Y* y, float* acc, int64_t m,
+                                         int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; k += 8) {
+      const int64_t w = std::min<int64_t>(8, k1 - k);
+      uint32_t rows[8];
+      f32x8 top = splat(0.0f);
+      for (int64_t l = 0; l < w; ++l) {
+        rows[l] = static_cast<uint32_t>(ids[k + l]);
+        if (What == Pushed::kExp && peak)
+          top[l] = rows[l] < static_cast<uint64_t>(m) ? peak[rows[l]] : 0.0f;
+      }
+      f32x8 v;
+      if constexpr (What == Pushed::kPeak) {
+        v = load8<In>(x + k, w, 0.0f);
+      } else if constexpr (What == Pushed::kProduct) {
+        v = load8<In>(x + k, w, 0.0f) * load8<In>(g + k, w, 0.0f);
+      } else {
+        v = exp8(load8<In>(x + k, w, 0.0f) - top);
+        if constexpr (kKeep) store8<F32>(y + k, v, w);
+      }
+      for (int64_t l = 0; l < w; ++l)
+        if (rows[l] < static_cast<uint64_t>(m)) acc[rows[l]] = Op::combine(acc[rows[l]], v[l]);
+    }
+  }
+};
+
+// SoftmaxPushRows for h a multiple of 16 (float32 and bfloat16, where the CPU has
+// AVX-512): sixteen lanes at a time, the same operations lane by lane (the same bits);
+// exp costs about half as much.
+template <typename In, typename Out, Pushed What>
+struct SoftmaxPushRows16 {
+  using S = typename In::Storage;
+  using Y = typename Out::Storage;
+  using Op = typename SoftmaxPushRows<In, Out, What>::Op;
+
+  JAXCSR_INLINE JAXCSR_AVX512 static void run(const int32_t* ids, const S* x, const S* g,
+                                               const float* peak, Y* y, float* acc, int64_t m,
+                                               int64_t h, int64_t c0, int64_t c1, int64_t k0,
+                                               int64_t k1) {
+    constexpr int64_t kAhead = 16;
+    for (int64_t k = k0; k < k1; ++k) {
+      if (k + kAhead < k1) {
+        const uint64_t ahead = static_cast<uint32_t>(ids[k + kAhead]);
+        const int64_t row = (ahead < static_cast<uint64_t>(m) ? ahead : 0) * h;
+        for (int64_t c = c0; c < c1; c += 16) {
+          __builtin_prefetch(acc + row + c, 1);
+          __builtin_prefetch(x + (k + kAhead) * h + c);
+          if (What == Pushed::kExp && peak) __builtin_prefetch(peak + row + c);
+        }
+      }
+      const uint64_t r = static_cast<uint32_t>(ids[k]);
+      if (r >= static_cast<uint64_t>(m)) continue;
+      for (int64_t c = c0; c < c1; c += 16) {
+        const int64_t at = k * h + c;
+        f32x16 v;
+        if constexpr (What == Pushed::kPeak) {
+          v = load16<In>(x + at);
+        } else if constexpr (What == Pushed::kProduct) {
+          v = load16<In>(x + at) * load16<In>(g + at);
+        } else {
+          const f32x16 shift = peak ? load16<F32>(peak + r * h + c) : splat_as<f32x16>(0.0f);
+          v = exp16(load16<In>(x + at) - shift);
+          if constexpr (SoftmaxPushRows<In, Out, What>::kKeep) store16<F32>(y + at, v);
+        }
+        float* a = acc + r * h + c;
+        f32x16 total = load16<F32>(a);
+        if constexpr (std::is_same<Op, Max>::value) {
+          total = v > total ? v : total;  // as max8, in two selects (see softmax_heads16)
+          total = v != v ? v : total;
+        } else {
+          total += v;
+        }
+        store16<F32>(a, total);
+      }
+    }
+  }
+};
+
+// Runs Body, or its sixteen-lane twin Body16 where it applies (h a multiple of 16,
+// float32/bfloat16 operands and output, AVX-512).
+template <typename Body, typename Body16, typename In, typename Out, typename... Args>
+void run_softmax_body(int64_t h, Args&&... args) {
+  constexpr bool wide = !std::is_same<In, F16>::value && !std::is_same<Out, F16>::value;
+  if constexpr (wide) {
+    if (h % 16 == 0 && has_avx512()) return run_avx512<Body16>(std::forward<Args>(args)...);
+  }
+  run_best<Body>(std::forward<Args>(args)...);
+}
+
+// acc (m, h) = what every entry brings to its row (SoftmaxPushRows), reduced with its
+// Op (Op::init in rows no entry reaches), in push_pieces(m, n, h) pieces.
+template <typename In, typename Out, Pushed What>
+void softmax_push(ffi::ThreadPool& pool, int64_t threads, const int32_t* ids,
+                  const typename In::Storage* x, const typename In::Storage* g,
+                  const float* peak, typename Out::Storage* y, float* acc, int64_t m,
+                  int64_t n, int64_t h) {
+  using Body = SoftmaxPushRows<In, Out, What>;
+  using Body16 = SoftmaxPushRows16<In, Out, What>;
+  using Op = typename Body::Op;
+  const int64_t pieces = push_pieces(m, n, h);
+  if (pieces == 1) {
+    fill_columns(acc, m, h, h, Op::init);
+    over_feature_blocks<typename In::Storage>(pool, threads, h, [&](int64_t c0, int64_t c1) {
+      run_softmax_body<Body, Body16, In, Out>(h, ids, x, g, peak, y, acc, m, h, c0, c1,
+                                              int64_t{0}, n);
+    });
+    return;
+  }
+  std::vector<float> partials((pieces - 1) * m * h);
+  const auto part = [&](int64_t p) { return p == 0 ? acc : partials.data() + (p - 1) * m * h; };
+  parallel_chunks(pool, pieces, threads, [&](int64_t p) {
+    fill_columns(part(p), m, h, h, Op::init);
+    run_softmax_body<Body, Body16, In, Out>(h, ids, x, g, peak, y, part(p), m, h, int64_t{0},
+                                            h, n * p / pieces, n * (p + 1) / pieces);
+  });
+  const int64_t chunks = chunk_count(m * h * pieces, threads, 4);
+  parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+    const int64_t lo = m * h * c / chunks, hi = m * h * (c + 1) / chunks;
+    for (int64_t p = 1; p < pieces; ++p)
+      for (int64_t i = lo; i < hi; ++i) acc[i] = Op::combine(acc[i], part(p)[i]);
+  });
+}
+
+// stats[i] = fn(stats[i]) for the (m, h) per-row statistics, over the threads.
+template <typename Fn>
+void over_statistics(ffi::ThreadPool& pool, int64_t threads, float* stats, int64_t size, Fn fn) {
+  const int64_t chunks = chunk_count(size, threads, 4);
+  parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+    for (int64_t i = size * c / chunks; i < size * (c + 1) / chunks; ++i) stats[i] = fn(stats[i]);
+  });
+}
+
+// The last pass, entries [k0, k1): forward (g null) y = exp(x - peak[row]) * scale[row]
+// (peak null: unshifted; the exp read back from y for float32 outputs), tangent y = p * g - p * scale[row]
+// (x = p, scale = the rows' sums of p * g); entries of no row: 0 forward, p * g.
+template <typename In, typename Out>
+struct SoftmaxScaleEntries {
+  using S = typename In::Storage;
+  using Y = typename Out::Storage;
+  static constexpr bool kKept = std::is_same<Out, F32>::value;
+
+  JAXCSR_INLINE static f32x8 entry(const S* x, const S* g, const Y* y, f32x8 top, f32x8 scale,
+                                   int64_t at, int64_t w) {
+    if (g) {
+      const f32x8 p = load8<In>(x + at, w, 0.0f);
+      return p * load8<In>(g + at, w, 0.0f) - p * scale;
+    }
+    const f32x8 e = kKept ? load8f(reinterpret_cast<const float*>(y) + at, w)
+                          : exp8(load8<In>(x + at, w, 0.0f) - top);
+    return e * scale;
+  }
+
+  JAXCSR_INLINE static void run(const int32_t* ids, const S* x, const S* g, const float* peak,
+                                const float* scale, Y* y, int64_t m, int64_t h, int64_t k0,
+                                int64_t k1) {
+    const bool forward = g == nullptr;
+    if (h == 1) {  // eight entries at a time
+      const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+      for (int64_t k = k0; k < k1; k += 8) {
+        const int64_t w = std::min<int64_t>(8, k1 - k);
+        f32x8 top = splat(0.0f), by = splat(0.0f);
+        i32x8 in_row = lane < static_cast<int32_t>(w);
+        for (int64_t l = 0; l < w; ++l) {
+          const uint64_t r = static_cast<uint32_t>(ids[k + l]);
+          if (r >= static_cast<uint64_t>(m)) {
+            in_row[l] = 0;  // no row: 0 forward, p * g - p * 0 in the tangent
+            continue;
+          }
+          if (!kKept && forward && peak) top[l] = peak[r];
+          by[l] = scale[r];
+        }
+        const f32x8 v = entry(x, g, y, top, by, k, w);
+        store8<Out>(y + k, forward ? (in_row ? v : splat(0.0f)) : v, w);
+      }
+      return;
+    }
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint64_t r = static_cast<uint32_t>(ids[k]);
+      const bool in_row = r < static_cast<uint64_t>(m);
+      for (int64_t c = 0; c < h; c += 8) {
+        const int64_t w = h - c;
+        if (forward && !in_row) {
+          store8<Out>(y + k * h + c, splat(0.0f), w);
+          continue;
+        }
+        const f32x8 top = !kKept && forward && peak ? load8f(peak + r * h + c, w) : splat(0.0f);
+        const f32x8 by = in_row ? load8f(scale + r * h + c, w) : splat(0.0f);
+        store8<Out>(y + k * h + c, entry(x, g, y, top, by, k * h + c, w), w);
+      }
+    }
+  }
+};
+
+// SoftmaxScaleEntries for h a multiple of 16, sixteen lanes at a time (the same bits).
+template <typename In, typename Out>
+struct SoftmaxScaleEntries16 {
+  using S = typename In::Storage;
+  using Y = typename Out::Storage;
+  JAXCSR_INLINE JAXCSR_AVX512 static void run(const int32_t* ids, const S* x, const S* g,
+                                               const float* peak, const float* scale, Y* y,
+                                               int64_t m, int64_t h, int64_t k0, int64_t k1) {
+    constexpr bool kKept = SoftmaxScaleEntries<In, Out>::kKept;
+    const f32x16 zero = splat_as<f32x16>(0.0f);
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint64_t r = static_cast<uint32_t>(ids[k]);
+      const bool in_row = r < static_cast<uint64_t>(m);
+      for (int64_t c = 0; c < h; c += 16) {
+        const int64_t at = k * h + c;
+        const f32x16 by = in_row ? load16<F32>(scale + r * h + c) : zero;
+        if (g) {
+          const f32x16 p = load16<In>(x + at);
+          store16<Out>(y + at, p * load16<In>(g + at) - p * by);
+        } else if (!in_row) {
+          store16<Out>(y + at, zero);
+        } else {
+          f32x16 e;
+          if constexpr (kKept) {
+            e = load16<F32>(reinterpret_cast<const float*>(y) + at);
+          } else {
+            e = exp16(load16<In>(x + at) - (peak ? load16<F32>(peak + r * h + c) : zero));
+          }
+          store16<Out>(y + at, e * by);
+        }
+      }
+    }
+  }
+};
+
+// Whether the unshifted sums are safe: every non-empty row's sum of exp(x) lies in
+// [2^-40, 2^126] (NaN passes): the XLA path's fast path (jaxcsr/softmax.py,
+// fast_path_safe). The shift only guards exp against overflow and the sum against
+// underflow; within these bounds every probability above 2^-126 * 2^40 is the shifted
+// formula's to float32 rounding.
+bool unshifted_sums_safe(const int32_t* indptr, const float* total, int64_t m, int64_t h) {
+  for (int64_t r = 0; r < m; ++r) {
+    if (indptr[r + 1] == indptr[r]) continue;  // empty: its sum is 0
+    for (int64_t c = 0; c < h; ++c) {
+      const float t = total[r * h + c];
+      if (t < 0x1p-40f || t > 0x1p126f) return false;
+    }
+  }
+  return true;
+}
+
+// The forward (g null) or the tangent (from the output x) over unsorted ids. The
+// forward sums exp(x) unshifted first and keeps that when unshifted_sums_safe; else
+// (a row's max above ~87, or all its scores below ~-27) it pushes each row's max and
+// sums exp(x - max) again.
+template <typename In, typename Out>
+void softmax_unsorted(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+                      const int32_t* ids, const typename In::Storage* x,
+                      const typename In::Storage* g, typename Out::Storage* y, int64_t m,
+                      int64_t n, int64_t h) {
+  const int64_t threads = n * h < kSerialWork ? 1 : thread_count(pool, max_threads);
+  std::vector<float> peak, scale(m * h);
+  if (g) {
+    softmax_push<In, Out, Pushed::kProduct>(pool, threads, ids, x, g, nullptr, y, scale.data(),
+                                            m, n, h);
+  } else {
+    softmax_push<In, Out, Pushed::kExp>(pool, threads, ids, x, nullptr, nullptr, y,
+                                        scale.data(), m, n, h);
+    if (!unshifted_sums_safe(indptr, scale.data(), m, h)) {
+      peak.resize(m * h);
+      softmax_push<In, Out, Pushed::kPeak>(pool, threads, ids, x, nullptr, nullptr, y,
+                                           peak.data(), m, n, h);
+      over_statistics(pool, threads, peak.data(), m * h,
+                      [](float top) { return finite_or_zero(top); });
+      softmax_push<In, Out, Pushed::kExp>(pool, threads, ids, x, nullptr, peak.data(), y,
+                                          scale.data(), m, n, h);
+    }
+    over_statistics(pool, threads, scale.data(), m * h, [](float total) { return 1.0f / total; });
+  }
+  const float* shift = peak.empty() ? nullptr : peak.data();
+  const int64_t chunks = chunk_count(n * h, threads, 4);
+  parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+    const int64_t k0 = n * c / chunks, k1 = n * (c + 1) / chunks;
+    run_softmax_body<SoftmaxScaleEntries<In, Out>, SoftmaxScaleEntries16<In, Out>, In, Out>(
+        h, ids, x, g, shift, scale.data(), y, m, h, k0, k1);
+  });
+}
+
 template <typename In, typename Out, typename Unused>
 struct SoftmaxKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
-                        const void* x_any, const void* g_any, void* y_any, int64_t m,
-                        int64_t entries, int64_t h) {
+                        const int32_t* ids, const void* x_any, const void* g_any, void* y_any,
+                        int64_t m, int64_t entries, int64_t h) {
     const auto* x = static_cast<const typename In::Storage*>(x_any);
     const auto* g = static_cast<const typename In::Storage*>(g_any);
     auto* y = static_cast<typename Out::Storage*>(y_any);
+    if (ids) {
+      softmax_unsorted<In, Out>(pool, max_threads, indptr, ids, x, g, y, m, entries, h);
+      return ffi::Error::Success();
+    }
     const int64_t threads = thread_count(pool, max_threads);
     // the entries after the last row (dropped ids, padded layouts) belong to none
     for (int64_t i = indptr[m] * h; i < entries * h; ++i) y[i] = Out::store(0.0f);
@@ -1752,11 +2113,13 @@ struct SoftmaxKernel {
   }
 };
 
-// indptr: the pattern's (m + 1,) row pointer, its entries sorted by row (row r owns
-// entries indptr[r]..indptr[r+1]); x: (n, h); g: empty (the softmax of x) or (n, h)
-// (the tangent from the output x).
-ffi::Error SoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr, ffi::AnyBuffer x,
-                       ffi::AnyBuffer g, ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
+// indptr: the pattern's (m + 1,) row pointer; ids: empty (the pattern's entries are
+// sorted by row: row r owns entries indptr[r]..indptr[r+1]) or (n,) the row of every
+// entry, in any order (outside [0, m): none); x: (n, h); g: empty (the softmax of x) or
+// (n, h) (the tangent from the output x).
+ffi::Error SoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
+                       ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer x, ffi::AnyBuffer g,
+                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
   const int64_t m = static_cast<int64_t>(indptr.element_count()) - 1;
   if (m < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
   auto xd = x.dimensions();
@@ -1768,12 +2131,16 @@ ffi::Error SoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr, ffi::
   if (tangent && (g.element_type() != x.element_type() ||
                   static_cast<int64_t>(g.element_count()) != entries * h))
     return ffi::Error::InvalidArgument("jaxcsr cpu: softmax operands do not match");
+  const bool unsorted = ids.element_count() > 0;
+  if (unsorted && static_cast<int64_t>(ids.element_count()) != entries)
+    return ffi::Error::InvalidArgument("jaxcsr cpu: softmax ids do not match the scores");
   const int32_t* ptr = indptr.typed_data();
-  if (ptr[m] < 0 || ptr[m] > entries || !valid_indptr(ptr, m, ptr[m]))
+  if (!unsorted && (ptr[m] < 0 || ptr[m] > entries || !valid_indptr(ptr, m, ptr[m])))
     return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
   return dispatch<SoftmaxKernel>(x.element_type(), y->element_type(), 0, pool, max_threads, ptr,
-                                 x.untyped_data(), tangent ? g.untyped_data() : nullptr,
-                                 y->untyped_data(), m, entries, h);
+                                 unsorted ? ids.typed_data() : nullptr, x.untyped_data(),
+                                 tangent ? g.untyped_data() : nullptr, y->untyped_data(), m,
+                                 entries, h);
 }
 
 // The push: (indptr, ids, values or empty, x) -> y, with attributes.
@@ -1837,6 +2204,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrSddmm, SddmmImpl,
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrSoftmax, SoftmaxImpl,
                               ffi::Ffi::Bind()
                                   .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
