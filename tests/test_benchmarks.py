@@ -105,6 +105,13 @@ def test_attention_benchmark_checks_and_writes(tmp_path):
     assert all(r["ratio_vs_best_jax"] and min(r["median_s"].values()) > 0 for r in rows)
     assert "### edge_softmax" in (tmp_path / "attention.md").read_text()
     assert len(json.loads((tmp_path / "attention.json").read_text())["rows"]) == 5
+    # --shuffle: the edges in random order (unsorted segment ids), still checked
+    argv = ["--graphs", "cora", "--softmax-widths", "2", "--sddmm-widths", "", "--shuffle"]
+    rows = attention.main([*argv, "--repeats", "1"])
+    assert {(r["graph"], r["pass"]) for r in rows} == {
+        ("cora shuffled", "fwd"),
+        ("cora shuffled", "fwd+bwd"),
+    }
 
 
 def test_strategy_crossover_table(tmp_path):
@@ -260,6 +267,10 @@ def test_per_batch_benchmark_checks_and_writes(tmp_path):
     assert result["training"][0]["loss_difference"] < 1e-4
     assert result["planning"][0]["structure"] > 0
     assert "jraph-style training step" in (tmp_path / "per_batch.md").read_text()
+    result = per_batch.main([*argv, "--ops", "softmax"])
+    assert {r["op"] for r in result["segments"]} == {"softmax"}
+    with pytest.raises(SystemExit):
+        per_batch.main([*argv, "--ops", "softmax,mean"])
 
 
 def test_sharded_scale_table(tmp_path):

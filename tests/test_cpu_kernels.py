@@ -623,25 +623,26 @@ def _one_thread_and_all_agree(softmax, x, g):
 
 
 def test_native_softmax_refuses_a_corrupted_row_pointer():
-    """The kernel's own guards: a row pointer past the entries (sorted rows), or ids
-    of another length than the scores (unsorted), is an error, not a read."""
+    """The kernel's own guards: a row pointer past the entries or of another length
+    than the rows (sorted rows), or ids of another length than the scores (unsorted),
+    is an error, not a read; ids outside the rows belong to none."""
     call = jax.ffi.ffi_call("jaxcsr_cpu_softmax", jax.ShapeDtypeStruct((4, 2), jnp.float32))
     x, empty = jnp.ones((4, 2), jnp.float32), jnp.zeros((0,), jnp.float32)
     none = jnp.zeros((0,), jnp.int32)
-    for indptr in ([0, 3, 9], [0, 3, 2], [1, 2, 4], [0, -1, 4]):
+    attrs = {"max_threads": np.int64(0), "rows": np.int64(2)}
+    for indptr in ([0, 3, 9], [0, 3, 2], [1, 2, 4], [0, -1, 4], [0, 4], [0, 1, 2, 4]):
         with pytest.raises(Exception, match="jaxcsr cpu"):
             indptr = jnp.asarray(indptr, jnp.int32)
-            jax.block_until_ready(call(indptr, none, x, empty, max_threads=np.int64(0)))
-    indptr = jnp.asarray([0, 2, 4], jnp.int32)
+            jax.block_until_ready(call(indptr, none, x, empty, **attrs))
     for ids in ([0, 1, 1], [0, 1, 1, 0, 1]):
         with pytest.raises(Exception, match="jaxcsr cpu"):
-            ids = jnp.asarray(ids, jnp.int32)
-            jax.block_until_ready(call(indptr, ids, x, empty, max_threads=np.int64(0)))
-    # ids outside the rows belong to none: 0, never a read or write out of bounds
+            jax.block_until_ready(call(none, jnp.asarray(ids, jnp.int32), x, empty, **attrs))
+    with pytest.raises(Exception, match="jaxcsr cpu"):  # both a row pointer and ids
+        ids = jnp.asarray([0, 1, 1, 0], jnp.int32)
+        jax.block_until_ready(call(jnp.asarray([0, 2, 4], jnp.int32), ids, x, empty, **attrs))
     ids = jnp.asarray([0, 7, -1, 1], jnp.int32)
     np.testing.assert_allclose(
-        np.asarray(call(indptr, ids, x, empty, max_threads=np.int64(0))),
-        [[1, 1], [0, 0], [0, 0], [1, 1]],
+        np.asarray(call(none, ids, x, empty, **attrs)), [[1, 1], [0, 0], [0, 0], [1, 1]]
     )
 
 

@@ -75,7 +75,7 @@ def _programs(op: str, system: str, num_segments: int):
 
 
 def segment_rows(
-    graphs, widths, dtypes, repeats: int, seed: int, budget_s: float = CELL_BUDGET_S
+    graphs, widths, dtypes, repeats: int, seed: int, budget_s: float = CELL_BUDGET_S, ops=OPS
 ) -> list[dict]:
     rng = np.random.default_rng(seed)
     rows = []
@@ -87,7 +87,7 @@ def segment_rows(
         for dtype in dtypes:
             for width in widths:
                 x = jnp.asarray(rng.standard_normal((graph.num_edges, width)), dtype)
-                for op in OPS:
+                for op in ops:
                     out_rows = graph.num_edges if op == "softmax" else m
                     ct = jnp.asarray(rng.standard_normal((out_rows, width)), dtype)
                     programs = {system: _programs(op, system, m) for system in SYSTEMS}
@@ -347,6 +347,7 @@ def main(argv=None) -> dict:
     p.add_argument("--graphs", default=",".join(GRAPHS))
     p.add_argument("--widths", default=",".join(map(str, WIDTHS)))
     p.add_argument("--dtypes", default=",".join(DTYPES))
+    p.add_argument("--ops", default=",".join(OPS), help=f"a subset of {','.join(OPS)}")
     p.add_argument("--repeats", type=int, default=5, help="timed runs per cell, at least")
     p.add_argument(
         "--cell-budget", type=float, default=CELL_BUDGET_S, help="seconds per system and cell"
@@ -357,6 +358,9 @@ def main(argv=None) -> dict:
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
     args = p.parse_args(argv)
     graphs = args.graphs.split(",")
+    ops = tuple(args.ops.split(","))
+    if not set(ops) <= set(OPS):
+        p.error(f"--ops: choose from {','.join(OPS)}, got {args.ops!r}")
     result = {
         "segments": segment_rows(
             graphs,
@@ -365,6 +369,7 @@ def main(argv=None) -> dict:
             args.repeats,
             args.seed,
             args.cell_budget,
+            ops,
         ),
         "training": training_rows(args.features, args.steps, args.seed),
         "planning": planning_rows(graphs, args.repeats, args.seed),

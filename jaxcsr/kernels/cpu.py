@@ -259,11 +259,17 @@ def softmax(x, g, view: Structure, *, out_dtype, fallback):
         return fallback()
     x = x.astype(dtype)
     g = jnp.zeros((0,), dtype) if g is None else g.astype(dtype)
-    # unsorted: the row of every entry as given (a padded layout's dropped ids outside
-    # [0, m) belong to no row)
-    ids = jnp.zeros((0,), jnp.int32) if view.sorted_ids else view.row_of_col.astype(jnp.int32)
+    # sorted: the row pointer; unsorted: the row of every entry as given (a padded
+    # layout's dropped ids outside [0, m) belong to no row), no row pointer (one planned
+    # on the device would cost a pass over the ids)
+    none = jnp.zeros((0,), jnp.int32)
+    if view.sorted_ids:
+        indptr, ids = view.indptr, none
+    else:
+        indptr, ids = none, view.row_of_col.astype(jnp.int32)
     call = jax.ffi.ffi_call("jaxcsr_cpu_softmax", jax.ShapeDtypeStruct(x.shape, out_dtype))
-    return call(view.indptr, ids, x, g, max_threads=np.int64(_MAX_THREADS))
+    attrs = {"max_threads": np.int64(_MAX_THREADS), "rows": np.int64(view.shape[0])}
+    return call(indptr, ids, x, g, **attrs)
 
 
 def _arg_operands(x, data, out):

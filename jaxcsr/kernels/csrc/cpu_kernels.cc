@@ -2030,14 +2030,24 @@ struct SoftmaxScaleEntries16 {
 // [2^-40, 2^126] (NaN passes): the XLA path's fast path (jaxcsr/softmax.py,
 // fast_path_safe). The shift only guards exp against overflow and the sum against
 // underflow; within these bounds every probability above 2^-126 * 2^40 is the shifted
-// formula's to float32 rounding.
-bool unshifted_sums_safe(const int32_t* indptr, const float* total, int64_t m, int64_t h) {
-  for (int64_t r = 0; r < m; ++r) {
-    if (indptr[r + 1] == indptr[r]) continue;  // empty: its sum is 0
+// formula's to float32 rounding. An empty row's sum is 0: which rows are empty is
+// found (one pass over the ids) only when some sum is out of range.
+bool unshifted_sums_safe(const int32_t* ids, int64_t n, const float* total, int64_t m,
+                         int64_t h) {
+  const auto out_of_range = [&](int64_t r) {
     for (int64_t c = 0; c < h; ++c) {
       const float t = total[r * h + c];
-      if (t < 0x1p-40f || t > 0x1p126f) return false;
+      if (t < 0x1p-40f || t > 0x1p126f) return true;
     }
+    return false;
+  };
+  std::vector<char> suspect(m);
+  bool any = false;
+  for (int64_t r = 0; r < m; ++r) any |= (suspect[r] = out_of_range(r));
+  if (!any) return true;
+  for (int64_t k = 0; k < n; ++k) {
+    const uint64_t r = static_cast<uint32_t>(ids[k]);
+    if (r < static_cast<uint64_t>(m) && suspect[r]) return false;  // a non-empty row
   }
   return true;
 }
@@ -2047,8 +2057,7 @@ bool unshifted_sums_safe(const int32_t* indptr, const float* total, int64_t m, i
 // (a row's max above ~87, or all its scores below ~-27) it pushes each row's max and
 // sums exp(x - max) again.
 template <typename In, typename Out>
-void softmax_unsorted(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
-                      const int32_t* ids, const typename In::Storage* x,
+void softmax_unsorted(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* ids, const typename In::Storage* x,
                       const typename In::Storage* g, typename Out::Storage* y, int64_t m,
                       int64_t n, int64_t h) {
   const int64_t threads = n * h < kSerialWork ? 1 : thread_count(pool, max_threads);
@@ -2059,7 +2068,7 @@ void softmax_unsorted(ffi::ThreadPool& pool, int64_t max_threads, const int32_t*
   } else {
     softmax_push<In, Out, Pushed::kExp>(pool, threads, ids, x, nullptr, nullptr, y,
                                         scale.data(), m, n, h);
-    if (!unshifted_sums_safe(indptr, scale.data(), m, h)) {
+    if (!unshifted_sums_safe(ids, n, scale.data(), m, h)) {
       peak.resize(m * h);
       softmax_push<In, Out, Pushed::kPeak>(pool, threads, ids, x, nullptr, nullptr, y,
                                            peak.data(), m, n, h);
@@ -2088,7 +2097,7 @@ struct SoftmaxKernel {
     const auto* g = static_cast<const typename In::Storage*>(g_any);
     auto* y = static_cast<typename Out::Storage*>(y_any);
     if (ids) {
-      softmax_unsorted<In, Out>(pool, max_threads, indptr, ids, x, g, y, m, entries, h);
+      softmax_unsorted<In, Out>(pool, max_threads, ids, x, g, y, m, entries, h);
       return ffi::Error::Success();
     }
     const int64_t threads = thread_count(pool, max_threads);
@@ -2113,15 +2122,14 @@ struct SoftmaxKernel {
   }
 };
 
-// indptr: the pattern's (m + 1,) row pointer; ids: empty (the pattern's entries are
-// sorted by row: row r owns entries indptr[r]..indptr[r+1]) or (n,) the row of every
-// entry, in any order (outside [0, m): none); x: (n, h); g: empty (the softmax of x) or
-// (n, h) (the tangent from the output x).
+// rows: m; indptr: the pattern's (m + 1,) row pointer when its entries are sorted by
+// row (row r owns entries indptr[r]..indptr[r+1]), else empty and ids: (n,) the row of
+// every entry, in any order (outside [0, m): none); x: (n, h); g: empty (the softmax of
+// x) or (n, h) (the tangent from the output x).
 ffi::Error SoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                        ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer x, ffi::AnyBuffer g,
-                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
-  const int64_t m = static_cast<int64_t>(indptr.element_count()) - 1;
-  if (m < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
+                       ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t rows) {
+  const int64_t m = rows;
   auto xd = x.dimensions();
   if (xd.size() != 2 || y->dimensions().size() != 2 || y->dimensions()[0] != xd[0] ||
       y->dimensions()[1] != xd[1])
@@ -2131,11 +2139,14 @@ ffi::Error SoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
   if (tangent && (g.element_type() != x.element_type() ||
                   static_cast<int64_t>(g.element_count()) != entries * h))
     return ffi::Error::InvalidArgument("jaxcsr cpu: softmax operands do not match");
-  const bool unsorted = ids.element_count() > 0;
-  if (unsorted && static_cast<int64_t>(ids.element_count()) != entries)
+  if (entries * h == 0) return ffi::Error::Success();  // nothing to read or write
+  const bool unsorted = ids.element_count() > 0 || indptr.element_count() == 0;
+  if (m < 0 || (unsorted && (static_cast<int64_t>(ids.element_count()) != entries ||
+                             indptr.element_count() != 0)))
     return ffi::Error::InvalidArgument("jaxcsr cpu: softmax ids do not match the scores");
   const int32_t* ptr = indptr.typed_data();
-  if (!unsorted && (ptr[m] < 0 || ptr[m] > entries || !valid_indptr(ptr, m, ptr[m])))
+  if (!unsorted && (static_cast<int64_t>(indptr.element_count()) != m + 1 || ptr[m] < 0 ||
+                    ptr[m] > entries || !valid_indptr(ptr, m, ptr[m])))
     return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
   return dispatch<SoftmaxKernel>(x.element_type(), y->element_type(), 0, pool, max_threads, ptr,
                                  unsorted ? ids.typed_data() : nullptr, x.untyped_data(),
@@ -2209,7 +2220,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrSoftmax, SoftmaxImpl,
                                   .Arg<ffi::AnyBuffer>()
                                   .Arg<ffi::AnyBuffer>()
                                   .Ret<ffi::AnyBuffer>()
-                                  .Attr<int64_t>("max_threads"));
+                                  .Attr<int64_t>("max_threads")
+                                  .Attr<int64_t>("rows"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrGather, GatherImpl,
                               ffi::Ffi::Bind()
