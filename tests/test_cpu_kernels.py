@@ -582,20 +582,24 @@ def test_native_softmax_of_traced_ids_drops_what_jax_ops_drops(rng, sorted_ids, 
 
 
 @pytest.mark.parametrize(
-    "kind", ["segment_sorted", "hub_sorted", "general", "segment", "hub", "segment_wide"]
+    "kind",
+    ["segment_sorted", "hub_sorted", "general", "segment", "hub", "segment_wide", "segment_big"],
 )
 def test_native_softmax_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
     """Large enough for several chunks of rows on several threads; unsorted ids in 4
-    pieces of entries (``segment``, ``hub``) and in one piece with its 32 heads split
-    over the threads (``segment_wide``: few entries per row), both branches of the
-    forward (unshifted, and shifted where one row's sum overflows)."""
-    heads = 32 if kind == "segment_wide" else 8
-    if kind == "segment_wide":
-        ids = power_law_ids(rng, 20_000, 9000)
+    pieces of entries (``segment``, ``hub``), in one piece with its 32 heads split
+    over the threads (``segment_wide``: few entries per row), and in 2 pieces whose
+    partials pass the product's 8 MiB (``segment_big``: 16 heads, one line); both
+    branches of the forward (unshifted, and shifted where one row's sum overflows)."""
+    heads = {"segment_wide": 32, "segment_big": 16}.get(kind, 8)
+    if kind in ("segment_wide", "segment_big"):
+        m, n = (9000, 20_000) if kind == "segment_wide" else (140_000, 1_200_000)
+        assert kind == "segment_wide" or m * heads * 4 > 8 << 20
+        ids = rng.integers(0, m, n) if kind == "segment_big" else power_law_ids(rng, n, m)
         rows = ids
 
         def softmax(x):
-            return jaxcsr.segment_softmax(x, ids, 9000)
+            return jaxcsr.segment_softmax(x, ids, m)
     else:
         softmax, rows, _ = _softmax_case(rng, kind, size=20_000)
     assert len(rows) * 8 >= SERIAL_WORK
