@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import math
+import shlex
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -143,6 +145,12 @@ def summary_line(rows: list[dict[str, Any]]) -> str:
         f"Against the best peer of each cell: geometric mean {v['geomean']:.2f}x over "
         f"{v['cells']} cells; {v['below_1']} below 1.0x, {v['at_least_1_3']} at or above 1.3x."
     )
+
+
+def command_line(module: str, argv: list[str] | None) -> str:
+    """The command a study ran as: ``python -m module`` and its arguments (``argv``, or
+    the process's own when the study was run from the shell), quoted for a shell."""
+    return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
 def write_study(out_dir: Path, stem: str, result: dict[str, Any], text: str) -> Path:

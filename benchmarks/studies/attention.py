@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from pathlib import Path
 
 import jax
@@ -34,7 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcsr
-from benchmarks import measure
+from benchmarks import measure, report
 from benchmarks.datasets import load_graph
 
 try:
@@ -267,7 +266,7 @@ def main(argv=None) -> list[dict]:
     print(table)
     if args.out is not None:
         args.out.mkdir(parents=True, exist_ok=True)
-        command = "python -m benchmarks.studies.attention " + " ".join(argv or sys.argv[1:])
+        command = report.command_line("benchmarks.studies.attention", argv)
         record = {"command": command}
         record.update(environment=env, rows=rows)
         (args.out / "attention.json").write_text(json.dumps(record, indent=1))

@@ -233,7 +233,7 @@ def main(argv=None) -> dict:
         "bandwidth": bandwidth,
         "threads": os.cpu_count(),
         "rows": rows,
-        "command": "python -m benchmarks.studies.cpu_native " + " ".join(argv or []),
+        "command": report.command_line("benchmarks.studies.cpu_native", argv),
     }
     print(f"wrote {report.write_study(args.out, 'cpu_native', result, markdown(result))}")
     return result

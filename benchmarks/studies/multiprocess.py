@@ -123,13 +123,14 @@ def main(argv=None) -> dict:
     p.add_argument("--repeats", type=int, default=20)
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
     args = p.parse_args(argv)
+    from benchmarks import report  # not at the top: see the module docstring
+
     result = {
         "features": args.features,
         "one_process": run(1, args.features, args.repeats),
         "two_processes": run(2, args.features, args.repeats),
-        "command": "python -m benchmarks.studies.multiprocess " + " ".join(argv or []),
+        "command": report.command_line("benchmarks.studies.multiprocess", argv),
     }
-    from benchmarks import report  # not at the top: see the module docstring
 
     report.write_study(args.out, "multiprocess", result, markdown(result))
     print(markdown(result))

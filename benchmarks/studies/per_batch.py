@@ -378,7 +378,7 @@ def main(argv=None) -> dict:
             "python": platform.python_version(),
             "machine": platform.machine(),
             "cpus": jax.local_device_count(),
-            "command": "python -m benchmarks.studies.per_batch " + " ".join(argv or []),
+            "command": report.command_line("benchmarks.studies.per_batch", argv),
         },
     }
     print(f"wrote {report.write_study(args.out, 'per_batch', result, markdown(result))}")

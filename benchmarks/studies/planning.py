@@ -18,7 +18,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from benchmarks import measure
+from benchmarks import measure, report
 from benchmarks.datasets import EMBEDDED, load_graph
 from jaxcsr import CSRMatrix
 
@@ -136,7 +136,7 @@ def main(argv=None) -> dict:
             "numpy": np.__version__,
             "python": platform.python_version(),
             "machine": platform.machine(),
-            "command": "python -m benchmarks.studies.planning " + " ".join(argv or []),
+            "command": report.command_line("benchmarks.studies.planning", argv),
         },
     }
     args.out.mkdir(parents=True, exist_ok=True)

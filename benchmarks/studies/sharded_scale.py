@@ -127,7 +127,7 @@ def main(argv=None) -> dict:
         "graph": {"edges": int(args.edges), "nodes": int(args.nodes), "seed": args.seed},
         "features": args.features,
         "rows": rows(indptr, devices, args.features),
-        "command": "python -m benchmarks.studies.sharded_scale " + " ".join(argv or []),
+        "command": report.command_line("benchmarks.studies.sharded_scale", argv),
     }
     print(f"wrote {report.write_study(args.out, 'sharded_scale', result, markdown(result))}")
     return result

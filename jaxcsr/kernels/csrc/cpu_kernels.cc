@@ -11,7 +11,8 @@
 //   private float32 partials, combined in piece order.
 //
 // Plus the sampled product (Sddmm), the one-entry-per-row gather (Gather) and the
-// softmax over rows sorted by row, with its backward (Softmax).
+// softmax over rows, with its backward (Softmax: one pass per row for entries sorted by
+// row; pushes in input order, like RowPush, for unsorted segment ids).
 //
 // Every output row is reduced in one order fixed by the sizes, whatever the number of
 // threads or chunks: results are bit-identical for any thread count. Ids outside
@@ -1937,8 +1938,9 @@ void over_statistics(ffi::ThreadPool& pool, int64_t threads, float* stats, int64
 }
 
 // The last pass, entries [k0, k1): forward (g null) y = exp(x - peak[row]) * scale[row]
-// (peak null: unshifted; the exp read back from y for float32 outputs), tangent y = p * g - p * scale[row]
-// (x = p, scale = the rows' sums of p * g); entries of no row: 0 forward, p * g.
+// (peak null: unshifted; the exp read back from y for float32 outputs), tangent
+// y = p * g - p * scale[row] (x = p, scale = the rows' sums of p * g); entries of no
+// row: 0 forward, p * g.
 template <typename In, typename Out>
 struct SoftmaxScaleEntries {
   using S = typename In::Storage;
@@ -2063,9 +2065,9 @@ bool unshifted_sums_safe(const int32_t* ids, int64_t n, const float* total, int6
 // (a row's max above ~87, or all its scores below ~-27) it pushes each row's max and
 // sums exp(x - max) again.
 template <typename In, typename Out>
-void softmax_unsorted(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* ids, const typename In::Storage* x,
-                      const typename In::Storage* g, typename Out::Storage* y, int64_t m,
-                      int64_t n, int64_t h) {
+void softmax_unsorted(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* ids,
+                      const typename In::Storage* x, const typename In::Storage* g,
+                      typename Out::Storage* y, int64_t m, int64_t n, int64_t h) {
   const int64_t threads = n * h < kSerialWork ? 1 : thread_count(pool, max_threads);
   std::vector<float> peak, scale(m * h);
   if (g) {
