@@ -34,8 +34,9 @@ thread count: results are bit-identical for any number of threads.
     The softmax over rows (:func:`softmax`: ``edge_softmax``, ``segment_softmax``)
     and its tangent, fused: for entries sorted by row, each row's max, ``exp`` and
     sum, then the normalised output, one row at a time while it is in cache; for
-    unsorted segment ids, pushes in input order (max, then sum of ``exp``, into
-    per-row statistics) and one scaling pass; ``exp`` is the
+    unsorted segment ids, a push in input order of ``exp`` into per-row sums (unshifted
+    where the sums allow, as the XLA path's fast path; else after a push of the
+    maxima) and one scaling pass; ``exp`` is the
     kernel's own (eight lanes at a time, sixteen with AVX-512 for head counts that
     are multiples of 16, the same bits either way; within 1 ulp of float64 on every
     float32 input in [-110, 90], checked exhaustively).
@@ -249,11 +250,13 @@ def softmax(x, g, view: Structure, *, out_dtype, fallback):
     ``fallback()`` for dtypes the kernels do not take.
 
     Entries sorted by row (``edge_softmax``'s pattern, sorted segment ids) run one
-    row at a time while it is in cache; unsorted segment ids run pushes that stream
-    ``x`` in input order (each row's max, then its sum of ``exp(x - max)``, then the
-    scaling, entry by entry). Each row is shifted by its own max (no unshifted fast
-    path, no ``lax.cond``) and reduced in one order fixed by the sizes: bit-identical
-    for any thread count."""
+    row at a time while it is in cache, each shifted by its own max (no unshifted
+    fast path, no ``lax.cond``). Unsorted segment ids run pushes that stream ``x`` in
+    input order: the rows' sums of ``exp(x)``, kept when every non-empty row's sum is
+    within the XLA path's fast-path bounds (:func:`jaxcsr.softmax.fast_path_safe`),
+    else shifted by the rows' maxima (a push first), then the scaling, entry by entry.
+    Every row is reduced in one order fixed by the sizes: bit-identical for any
+    thread count."""
     dtype = x.dtype if g is None else product_dtype(x.dtype, g.dtype)
     if not (runs(view, dtype, None, out_dtype) and view.one_per_column):
         return fallback()
