@@ -1747,6 +1747,24 @@ struct SoftmaxSorted {
 // What a push sums (or maxes) per row: x (max), exp(x - peak[row]), or x * g.
 enum class Pushed { kPeak, kExp, kProduct };
 
+// A softmax push prefetches kPushAhead entries ahead: for entry k, heads [c0, c1), the
+// lines of its scores and of its row's partial (and peak, where there is one). The
+// scores' prefetch matters most (tolokers shuffled, 16 heads: forward 30 -> 22 ms).
+constexpr int64_t kPushAhead = 16;
+
+template <typename S>
+JAXCSR_INLINE void prefetch_push_entry(const int32_t* ids, const S* x, const float* peak,
+                                       const float* acc, int64_t m, int64_t h, int64_t c0,
+                                       int64_t c1, int64_t k) {
+  const uint64_t id = static_cast<uint32_t>(ids[k]);
+  const int64_t row = (id < static_cast<uint64_t>(m) ? id : 0) * h;
+  for (int64_t c = c0; c < c1; c += 16) {
+    __builtin_prefetch(acc + row + c, 1);
+    __builtin_prefetch(x + k * h + c);
+    if (peak) __builtin_prefetch(peak + row + c);
+  }
+}
+
 template <typename In, typename Out, Pushed What>
 struct SoftmaxPushRows {
   using S = typename In::Storage;
@@ -1775,17 +1793,8 @@ struct SoftmaxPushRows {
                                 Y* y, float* acc, int64_t m, int64_t h, int64_t c0, int64_t c1,
                                 int64_t k0, int64_t k1) {
     if (h == 1) return run_one_head(ids, x, g, peak, y, acc, m, k0, k1);
-    constexpr int64_t kAhead = 16;
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + kAhead < k1) {  // the lines of the row (its peak, its x) 16 entries ahead
-        const uint64_t ahead = static_cast<uint32_t>(ids[k + kAhead]);
-        const int64_t row = (ahead < static_cast<uint64_t>(m) ? ahead : 0) * h;
-        for (int64_t c = c0; c < c1; c += 16) {
-          __builtin_prefetch(acc + row + c, 1);
-          __builtin_prefetch(x + (k + kAhead) * h + c);
-          if (What == Pushed::kExp && peak) __builtin_prefetch(peak + row + c);
-        }
-      }
+      if (k + kPushAhead < k1) prefetch_push_entry(ids, x, peak, acc, m, h, c0, c1, k + kPushAhead);
       const uint64_t r = static_cast<uint32_t>(ids[k]);
       if (r >= static_cast<uint64_t>(m)) continue;
       for (int64_t c = c0; c < c1; c += 8) {
@@ -1839,17 +1848,8 @@ struct SoftmaxPushRows16 {
                                                const float* peak, Y* y, float* acc, int64_t m,
                                                int64_t h, int64_t c0, int64_t c1, int64_t k0,
                                                int64_t k1) {
-    constexpr int64_t kAhead = 16;
     for (int64_t k = k0; k < k1; ++k) {
-      if (k + kAhead < k1) {
-        const uint64_t ahead = static_cast<uint32_t>(ids[k + kAhead]);
-        const int64_t row = (ahead < static_cast<uint64_t>(m) ? ahead : 0) * h;
-        for (int64_t c = c0; c < c1; c += 16) {
-          __builtin_prefetch(acc + row + c, 1);
-          __builtin_prefetch(x + (k + kAhead) * h + c);
-          if (What == Pushed::kExp && peak) __builtin_prefetch(peak + row + c);
-        }
-      }
+      if (k + kPushAhead < k1) prefetch_push_entry(ids, x, peak, acc, m, h, c0, c1, k + kPushAhead);
       const uint64_t r = static_cast<uint32_t>(ids[k]);
       if (r >= static_cast<uint64_t>(m)) continue;
       for (int64_t c = c0; c < c1; c += 16) {
