@@ -7,6 +7,7 @@ instead of skipping them."""
 
 from __future__ import annotations
 
+import itertools
 import os
 import shutil
 import subprocess
@@ -103,19 +104,22 @@ def test_every_kernel_matches_float64(rng, kind):
         assert f"jaxcsr_cpu_{cpu.kernel_for(B.structure)}" in text
 
 
-def test_max_and_min_propagate_nan_and_zero_empty_rows(rng):
+@pytest.mark.parametrize("dtype, f", [(np.float32, 3), (jnp.bfloat16, 16), (jnp.bfloat16, 64)])
+def test_max_and_min_propagate_nan_and_zero_empty_rows(rng, dtype, f):
+    """Also bfloat16 rows of whole vector pairs, read as 32-bit words: NaN in an even
+    and in an odd feature."""
     ids = np.array([0, 0, 2, 2, 2])  # row 1 empty
-    v = random_values(rng, (5, 3)).astype(np.float32)
-    v[3, 1] = np.nan
+    v = random_values(rng, (5, f)).astype(dtype)
+    v[3, 1] = v[4, f - 1] = np.nan
     for sorted_ids in (True, False):
         order = np.arange(5) if sorted_ids else np.array([4, 2, 0, 3, 1])
         A = CSRMatrix.from_indices(ids[order], 3)
         for reduce in ("max", "min"):
-            y = np.asarray(jaxcsr.matmul(A, v[order], reduce=reduce, impl="cpu"))
-            want = getattr(np, reduce)(v[2:], axis=0)  # np.max/min propagate NaN
+            y = np.asarray(jaxcsr.matmul(A, v[order], reduce=reduce, impl="cpu"), np.float64)
+            want = getattr(np, reduce)(np.asarray(v[2:], np.float64), axis=0)  # NaN propagates
             np.testing.assert_array_equal(y[2], want)
             np.testing.assert_array_equal(y[1], 0.0)
-            assert np.isnan(y[2, 1])
+            assert np.isnan(y[2, 1]) and np.isnan(y[2, f - 1])
 
 
 @pytest.mark.parametrize("kind", ["segment", "segment_sorted", "hub", "general", "duplicates"])
@@ -162,15 +166,15 @@ def test_traced_ids_drop_what_jax_ops_drops(rng, sorted_ids):
         ids = np.sort(ids)
     else:
         ids[rng.random(K) < 0.05] = -2
-    v = random_values(rng, (K, 9)).astype(np.float32)
-    for dtype in (np.float32, jnp.bfloat16):
-        fn = jax.jit(
-            lambda i, v: jaxcsr.segment_sum(
-                v, i, num_segments=M, indices_are_sorted=sorted_ids, impl="cpu"
-            )
+    fn = jax.jit(
+        lambda i, v: jaxcsr.segment_sum(
+            v, i, num_segments=M, indices_are_sorted=sorted_ids, impl="cpu"
         )
-        keep = (ids >= 0) & (ids < M)
-        want = np.zeros((M, 9))
+    )
+    keep = (ids >= 0) & (ids < M)
+    for dtype, f in itertools.product((np.float32, jnp.bfloat16), (1, 9)):
+        v = random_values(rng, (K, f)).astype(np.float32)
+        want = np.zeros((M, f))
         np.add.at(want, ids[keep], np.asarray(v.astype(dtype), np.float64)[keep])
         assert_close(fn(jnp.asarray(ids), v.astype(dtype)), want, dtype)
         assert "jaxcsr_cpu_" in fn.lower(jnp.asarray(ids), v.astype(dtype)).as_text()
@@ -245,6 +249,27 @@ def test_one_thread_and_all_threads_agree_bit_for_bit(rng, kind):
     with pytest.raises(ValueError, match="non-negative int"):
         with cpu.threads(-1):
             pass
+
+
+def test_one_feature_push_threads_agree_bit_for_bit(rng):
+    """Unsorted ids, one feature, enough entries for four pieces on the threads (the
+    bare one-feature loop): with and without values, sum and max, 1 thread against all
+    bit for bit and against float64."""
+    m, k = 300, SERIAL_WORK + 9000
+    ids = power_law_ids(rng, k, m)
+    x = random_values(rng, (k, 1)).astype(np.float32)
+    for data in (None, random_values(rng, k).astype(np.float32)):
+        A = CSRMatrix.from_indices(ids, m, data=data)
+        assert cpu.kernel_for(A.structure) == "push"
+        for reduce in ("sum", "max"):
+            every = jax.jit(lambda B, x, r=reduce: jaxcsr.matmul(B, x, reduce=r, impl="cpu"))
+            with cpu.threads(1):
+                one = jax.jit(lambda B, x, r=reduce: jaxcsr.matmul(B, x, reduce=r, impl="cpu"))
+                assert "max_threads = 1" in one.lower(A, x).as_text()
+                y1 = np.asarray(one(A, x))
+            np.testing.assert_array_equal(y1, np.asarray(every(A, x)))
+            want, _ = reduce_reference(A, np.asarray(x, np.float64), reduce)
+            assert_close(y1, want, np.float32)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])

@@ -273,6 +273,7 @@ void over_feature_blocks(ffi::ThreadPool& pool, int64_t threads, int64_t f, Body
 // (or all of them) of a row-major array.
 template <typename T>
 JAXCSR_INLINE void fill_columns(T* rows, int64_t m, int64_t stride, int64_t width, T value) {
+  if (stride == width) return std::fill(rows, rows + m * width, value);
   for (int64_t r = 0; r < m; ++r) std::fill(rows + r * stride, rows + r * stride + width, value);
 }
 
@@ -411,12 +412,22 @@ JAXCSR_INLINE int64_t checked_column(const int32_t* cols, int64_t j, int64_t j1,
 // and output; rows of x and y ``f`` apart): the V accumulators are vector registers, no
 // loop over features, and the block's lines of x are prefetched eight entries ahead.
 // Same order per feature as the general loop below: the same bits.
+//
+// bfloat16 with V even reads sixteen features as eight 32-bit words: a word's low half
+// (an even feature) is float32 once shifted up, its high half (the odd feature next to
+// it) once the low half is masked off. Accumulators 2u and 2u + 1 hold the even and
+// odd features of block u, interleaved once per row at the store. The widening
+// conversion it replaces compiles (gcc, AVX2) to four shuffles per eight values, all
+// on one port: tolokers SpMM, 64 features, one thread, 7.2 -> 4.7 ms.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "bfloat16 halves of a word");
+
 template <typename In, typename Out, typename Op, int V>
 JAXCSR_INLINE void pull_row_block(const int32_t* cols, const typename In::Storage* data,
                                   const typename In::Storage* x, typename Out::Storage* y,
                                   int64_t f, int64_t c0, int64_t j0, int64_t j1, uint64_t n,
                                   bool& bad) {
   constexpr int64_t kLines = (8 * V * sizeof(typename In::Storage) + 63) / 64;
+  constexpr bool kHalves = std::is_same<In, BF16>::value && V % 2 == 0;
   const typename In::Storage* xb = x + c0;
   f32x8 a[V];
   for (int v = 0; v < V; ++v) a[v] = splat(Op::init);
@@ -430,8 +441,24 @@ JAXCSR_INLINE void pull_row_block(const int32_t* cols, const typename In::Storag
       }
     }
     const f32x8 w = splat(data ? In::load(data[j]) : 1.0f);
-    for (int v = 0; v < V; ++v)
-      a[v] = combine8<Op>(a[v], w * load8<In>(xb + col * f + 8 * v, 8, 0.0f));
+    if constexpr (kHalves) {
+      for (int u = 0; u < V / 2; ++u) {
+        u32x8 words;
+        std::memcpy(&words, xb + col * f + 16 * u, sizeof words);
+        a[2 * u] = combine8<Op>(a[2 * u], w * reinterpret_cast<f32x8>(words << 16));
+        a[2 * u + 1] = combine8<Op>(a[2 * u + 1], w * reinterpret_cast<f32x8>(words & 0xffff0000u));
+      }
+    } else {
+      for (int v = 0; v < V; ++v)
+        a[v] = combine8<Op>(a[v], w * load8<In>(xb + col * f + 8 * v, 8, 0.0f));
+    }
+  }
+  if constexpr (kHalves) {
+    for (int u = 0; u < V / 2; ++u) {
+      const f32x8 even = a[2 * u], odd = a[2 * u + 1];
+      a[2 * u] = __builtin_shufflevector(even, odd, 0, 8, 1, 9, 2, 10, 3, 11);
+      a[2 * u + 1] = __builtin_shufflevector(even, odd, 4, 12, 5, 13, 6, 14, 7, 15);
+    }
   }
   for (int v = 0; v < V; ++v) store8<Out>(y + c0 + 8 * v, j1 == j0 ? splat(0.0f) : a[v], 8);
 }
@@ -581,6 +608,14 @@ JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage
                                   const typename In::Storage* x, float* acc, int64_t m,
                                   int64_t stride, int64_t width, int64_t k0, int64_t k1) {
   constexpr int64_t kAhead = 16;
+  if (width == 1 && stride == 1) {  // one feature, a partial of its own: the bare loop
+    for (int64_t k = k0; k < k1; ++k) {
+      const int64_t r = ids[k];
+      if (static_cast<uint64_t>(r) >= static_cast<uint64_t>(m)) continue;
+      acc[r] = Op::combine(acc[r], data ? In::load(data[k]) * In::load(x[k]) : In::load(x[k]));
+    }
+    return;
+  }
   for (int64_t k = k0; k < k1; ++k) {
     if (width > 1 && k + kAhead < k1) {
       const uint64_t ahead = static_cast<uint32_t>(ids[k + kAhead]);
@@ -747,8 +782,9 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   // float32 sums with one piece accumulate in the output itself
   constexpr bool f32_sum = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
   const bool direct = f32_sum && pieces == 1;
-  std::vector<float> partials(direct ? 0 : pieces * rows * f);
-  float* first = direct ? reinterpret_cast<float*>(y) : partials.data();
+  // not value-initialised: every piece (or feature block) fills its own part first
+  std::unique_ptr<float[]> partials(direct ? nullptr : new float[pieces * rows * f]);
+  float* first = direct ? reinterpret_cast<float*>(y) : partials.get();
   if (pieces > 1) {
     parallel_chunks(pool, pieces, threads, [&](int64_t p) {
       run_best<PushRows<In, Out, Op>>(ids, data, x, first + p * rows * f, rows, f, f,
