@@ -11,6 +11,8 @@ script times the same way, with the device synchronised.
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -157,6 +159,37 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float]
         "fresh_copy_gbps": 2 * size / fresh.median_s / 1e9,
         "array_mb": float(megabytes),
     }
+
+
+def copy_bandwidth_by_threads(
+    threads: tuple[int, ...] = (1, 2), megabytes: int = 256, repeats: int = 7
+) -> dict[int, float]:
+    """GB/s (bytes read + written / time) of a copy between two ``megabytes`` arrays,
+    split in equal slices over ``threads`` Python threads (numpy's copy releases the
+    GIL): how far memory bandwidth itself scales from one thread to several here,
+    the ceiling of any memory-bound kernel's thread speedup. Best of ``repeats``."""
+
+    n = megabytes * 2**20 // 4
+    src = np.random.default_rng(0).uniform(1, 2, n).astype(np.float32)
+    dst = np.empty_like(src)
+    dst.fill(0.0)  # pages touched before timing
+    out = {}
+    for t in threads:
+        bounds = [n * i // t for i in range(t + 1)]
+        best = float("inf")
+        for _ in range(repeats):
+            workers = [
+                threading.Thread(target=np.copyto, args=(dst[lo:hi], src[lo:hi]))
+                for lo, hi in itertools.pairwise(bounds)
+            ]
+            start = time.perf_counter()
+            for w in workers:
+                w.start()
+            for w in workers:
+                w.join()
+            best = min(best, time.perf_counter() - start)
+        out[t] = 2 * 4 * n / best / 1e9
+    return out
 
 
 def to_numpy(out: Any) -> np.ndarray:

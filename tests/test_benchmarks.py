@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import pytest
@@ -301,4 +302,7 @@ def test_cpu_native_study(tmp_path):
         for system, diff in row["max_abs_diff_vs_xla_path"].items():
             assert diff <= (2e-2 if row["dtype"] == "bfloat16" else 1e-5), (row, system)
         assert row["gbps"] > 0 and row["best_peer"] not in cpu_native.OURS
-    assert "% of copy" in (tmp_path / "cpu_native.md").read_text()
+        assert row["threads_speedup_alone"] > 0
+    text = (tmp_path / "cpu_native.md").read_text()
+    assert "% of copy" in text and "A copy split over threads" in text
+    assert set(result["copy_by_threads"]) == {1, os.cpu_count()}

@@ -273,6 +273,25 @@ def test_one_feature_push_threads_agree_bit_for_bit(rng):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_push_too_wide_for_8_mib_runs_two_pieces(rng, dtype):
+    """20000 rows x 64 features: one float32 partial (5 MB) fits the 8 MiB budget only
+    once, so two pieces run within 32 MiB (8.5 entries per row): sum and max against
+    float64, one thread against all bit for bit."""
+    m, k, f = 20000, 170000, 64
+    ids = power_law_ids(rng, k, m)
+    x = random_values(rng, (k, f)).astype(dtype)
+    A = CSRMatrix.from_indices(ids, m)
+    for reduce in ("sum", "max"):
+        every = jax.jit(lambda B, x, r=reduce: jaxcsr.matmul(B, x, reduce=r, impl="cpu"))
+        with cpu.threads(1):
+            one = jax.jit(lambda B, x, r=reduce: jaxcsr.matmul(B, x, reduce=r, impl="cpu"))
+            y1 = np.asarray(one(A, x))
+        np.testing.assert_array_equal(y1, np.asarray(every(A, x)))
+        want, _ = reduce_reference(A, np.asarray(x, np.float64), reduce)
+        assert_close(y1, want, dtype)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_one_piece_push_splits_features_over_threads(rng, dtype):
     """Unsorted ids with about 3 per row push in one piece, whose features split over
     the threads in blocks of 64-byte lines (F = 48: blocks of 16 and 32 float32

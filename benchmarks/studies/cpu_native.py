@@ -19,7 +19,11 @@ For each graph, width F and dtype, four products, every system timed in turns:
 Every cell reports the achieved GB/s of jaxcsr and its share of the copy bandwidth
 measured in the same process (:func:`benchmarks.measure.memory_bandwidth`), counting
 the floor's bytes: the dense operand read once, the output written once and the
-index arrays (4 B per id; CSR: 4 B per entry and per row) read once. torch runs
+index arrays (4 B per id; CSR: 4 B per entry and per row) read once; and jaxcsr on all
+threads against one twice: in turns with the peers (whose calls let the pool's threads
+fall asleep and evict the operands) and the two alone, next to how far a plain copy's
+bandwidth scales over the same threads (:func:`benchmarks.measure.copy_bandwidth_by_threads`).
+torch runs
 with ``OMP_WAIT_POLICY=PASSIVE`` (see :mod:`benchmarks`). Writes ``cpu_native.json``
 and ``cpu_native.md`` to ``--out``.
 """
@@ -37,7 +41,12 @@ import numpy as np
 import jaxcsr
 from benchmarks import report
 from benchmarks.datasets import load_graph
-from benchmarks.measure import memory_bandwidth, time_in_turns, to_numpy
+from benchmarks.measure import (
+    copy_bandwidth_by_threads,
+    memory_bandwidth,
+    time_in_turns,
+    to_numpy,
+)
 from jaxcsr import CSRMatrix
 from jaxcsr.kernels import cpu
 
@@ -145,6 +154,9 @@ def run_cell(kind, graph, f, dtype, repeats, copy_gbps, rng, torch) -> dict:
             except Exception:
                 del thunks[name]
         timings, outs = time_in_turns(thunks, repeats)
+    # jaxcsr on all threads and on one, the two alone in turns: between the peers' calls
+    # the pool's threads fall asleep and the operands leave the caches
+    alone, _ = time_in_turns({k: thunks[k] for k in ("jaxcsr", "jaxcsr_1_thread")}, repeats)
     ref = to_numpy(outs["jaxcsr_xla"]).astype(np.float64)
     scale = max(1.0, float(np.abs(ref).max()))
     row = {"kind": kind, "graph": graph.name, "features": f, "dtype": np.dtype(dtype).name}
@@ -160,6 +172,7 @@ def run_cell(kind, graph, f, dtype, repeats, copy_gbps, rng, torch) -> dict:
     row["vs_best_peer"] = peers[best] / ours
     row["vs_xla_path"] = row["ms"]["jaxcsr_xla"] / ours
     row["threads_speedup"] = row["ms"]["jaxcsr_1_thread"] / ours
+    row["threads_speedup_alone"] = alone["jaxcsr_1_thread"].median_s / alone["jaxcsr"].median_s
     row["floor_bytes"] = int(floor)
     row["gbps"] = floor / (ours / 1e3) / 1e9
     row["pct_of_copy"] = 100 * row["gbps"] / copy_gbps
@@ -173,11 +186,12 @@ def markdown(result: dict) -> str:
         f"{bw['copy_gbps']:.1f} GB/s, read {bw['read_gbps']:.1f} GB/s, measured in the run)",
         "",
         "ms are medians; `vs best peer` = best peer's time / jaxcsr's; `1 -> all threads` "
-        "= jaxcsr on one thread / on all; GB/s counts the floor's bytes.",
+        "= jaxcsr on one thread / on all, timed in turns with the peers; `alone` = the "
+        "same two timed in turns by themselves; GB/s counts the floor's bytes.",
         "",
         "| product | graph | F | dtype | jaxcsr ms | 1 thread ms | xla path ms | best peer "
-        "| peer ms | vs best peer | 1 -> all threads | GB/s | % of copy |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peer ms | vs best peer | 1 -> all threads | alone | GB/s | % of copy |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in result["rows"]:
         ms = r["ms"]
@@ -185,7 +199,8 @@ def markdown(result: dict) -> str:
             f"| {r['kind']} | {r['graph']} | {r['features']} | {r['dtype']} | "
             f"{ms['jaxcsr']:.2f} | {ms['jaxcsr_1_thread']:.2f} | {ms['jaxcsr_xla']:.2f} | "
             f"{r['best_peer']} | {ms[r['best_peer']]:.2f} | {r['vs_best_peer']:.2f}x | "
-            f"{r['threads_speedup']:.2f}x | {r['gbps']:.1f} | {r['pct_of_copy']:.0f} |"
+            f"{r['threads_speedup']:.2f}x | {r['threads_speedup_alone']:.2f}x | "
+            f"{r['gbps']:.1f} | {r['pct_of_copy']:.0f} |"
         )
     v = report.ratio_summary([r["vs_best_peer"] for r in result["rows"]])
     if v["cells"]:
@@ -194,6 +209,19 @@ def markdown(result: dict) -> str:
             f"Geometric mean vs best peer: {v['geomean']:.2f}x over {v['cells']} cells; "
             f"{v['below_1']} cells below 1.0x, {v['at_least_1_3']} at or above 1.3x.",
         ]
+    copy = result["copy_by_threads"]
+    gbps = ", ".join(f"{t} thread(s) {g:.1f} GB/s" for t, g in copy.items())
+    lines += ["", f"A copy split over threads (numpy, same process): {gbps}."]
+    wide = [r for r in result["rows"] if r["features"] >= 16]
+    if wide:
+        keys = ("threads_speedup", "threads_speedup_alone")
+        counts = [sum(r[key] >= 1.6 for r in wide) for key in keys]
+        geomeans = [float(np.exp(np.mean([np.log(r[key]) for r in wide]))) for key in keys]
+        lines.append(
+            f"1 -> all threads at F >= 16 ({len(wide)} cells): in turns with the peers "
+            f"{counts[0]} at or above 1.6x (geometric mean {geomeans[0]:.2f}x); timed alone "
+            f"{counts[1]} ({geomeans[1]:.2f}x)."
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -210,7 +238,8 @@ def main(argv=None) -> dict:
         raise SystemExit("the native CPU library is not built: pip install -e . with a compiler")
     torch = _torch()
     bandwidth = memory_bandwidth(256)
-    print(f"copy bandwidth {bandwidth['copy_gbps']:.1f} GB/s", flush=True)
+    copy_by_threads = copy_bandwidth_by_threads((1, os.cpu_count() or 1))
+    print(f"copy bandwidth {bandwidth['copy_gbps']:.1f} GB/s; by threads {copy_by_threads}")
     rng = np.random.default_rng(0)
     rows = []
     for name in args.graphs.split(","):
@@ -231,6 +260,7 @@ def main(argv=None) -> dict:
     result = {
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "bandwidth": bandwidth,
+        "copy_by_threads": copy_by_threads,
         "threads": os.cpu_count(),
         "rows": rows,
         "command": report.command_line("benchmarks.studies.cpu_native", argv),
