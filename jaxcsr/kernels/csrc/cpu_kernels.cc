@@ -766,11 +766,15 @@ int64_t push_pieces(int64_t rows, int64_t entries, int64_t f, int64_t budget = i
 // with tolokers and musae-github in random order, F = 1..64, 1-8 pieces): each
 // piece reduces its entries into its own (m, f) float32 partial in input order, then
 // the partials are combined in piece order, rows split over threads. Where 8 MiB
-// allows one piece only, two pieces run if their partials fit in 32 MiB: a feature
-// split measured slower wherever both fit (2 cores, shuffled ids, all threads:
-// musae-github F = 64 bfloat16 27.6 -> 9.4 ms, float32 13.3 -> 10.0; tolokers F = 256
-// bfloat16 91.7 -> 47.2, float32 103 -> 79). One piece (an output too large to copy,
-// or few entries per row) splits its features instead, in
+// allows one piece only, two pieces run if their partials fit in 32 MiB, or 128 MiB for
+// rows of x under 512 bytes: a feature split measured slower in both cases (2 cores,
+// shuffled ids, all threads: musae-github F = 64 bfloat16 27.6 -> 9.4 ms, float32 13.3
+// -> 10.0; tolokers F = 256 bfloat16 91.7 -> 47.2, float32 103 -> 79; twitter-ego F =
+// 64, 42 MB of partials, bfloat16 131 -> 49, float32 63 -> 49; on one thread the
+// bfloat16 split had taken 79 ms), faster only past 32 MiB with rows of 512 bytes
+// (musae-github F = 128 float32: 26-27 against 31 ms). The partials stay within a
+// quarter of x's float32 bytes (4 entries per row and piece). One piece (an output too
+// large to copy, or few entries per row) splits its features instead, in
 // blocks of whole 64-byte lines of x, one per thread: every block takes every entry
 // in input order, so each value is reduced in the same order as on one thread. Every
 // row is reduced in one order that depends on the sizes only: bit-identical for any
@@ -783,7 +787,11 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               int64_t entries, int64_t f) {
   const int64_t threads = entries * f < kSerialWork ? 1 : thread_count(pool, max_threads);
   int64_t pieces = push_pieces(rows, entries, f);
-  if (pieces == 1) pieces = push_pieces(rows, entries, f, int64_t{32} << 20) >= 2 ? 2 : 1;
+  if (pieces == 1) {
+    const int64_t row_bytes = f * static_cast<int64_t>(sizeof(typename In::Storage));
+    const int64_t budget = int64_t{row_bytes < 512 ? 128 : 32} << 20;
+    pieces = push_pieces(rows, entries, f, budget) >= 2 ? 2 : 1;
+  }
   // float32 sums with one piece accumulate in the output itself
   constexpr bool f32_sum = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
   const bool direct = f32_sum && pieces == 1;
