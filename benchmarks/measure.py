@@ -162,7 +162,7 @@ def memory_bandwidth(megabytes: int = 512, repeats: int = 5) -> dict[str, float]
 
 
 def copy_bandwidth_by_threads(
-    threads: tuple[int, ...] = (1, 2), megabytes: int = 256, repeats: int = 7
+    threads: tuple[int, ...] = (1, 2), megabytes: int = 512, repeats: int = 7
 ) -> dict[int, float]:
     """GB/s (bytes read + written / time) of a copy between two ``megabytes`` arrays,
     split in equal slices over ``threads`` Python threads (numpy's copy releases the

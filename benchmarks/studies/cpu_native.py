@@ -237,7 +237,7 @@ def main(argv=None) -> dict:
     if not cpu.available():
         raise SystemExit("the native CPU library is not built: pip install -e . with a compiler")
     torch = _torch()
-    bandwidth = memory_bandwidth(256)
+    bandwidth = memory_bandwidth(512)
     copy_by_threads = copy_bandwidth_by_threads((1, os.cpu_count() or 1))
     print(f"copy bandwidth {bandwidth['copy_gbps']:.1f} GB/s; by threads {copy_by_threads}")
     rng = np.random.default_rng(0)
