@@ -306,3 +306,18 @@ def test_cpu_native_study(tmp_path):
     text = (tmp_path / "cpu_native.md").read_text()
     assert "% of copy" in text and "A copy split over threads" in text
     assert set(result["copy_by_threads"]) == {1, os.cpu_count()}
+
+
+def test_allocator_study(tmp_path):
+    """Both glibc settings run in their own process; every system times, the gathers
+    agree (checked in the child)."""
+    from benchmarks.studies import allocator
+
+    argv = ["--graph", "cora", "--features", "4", "--repeats", "1", "--out", str(tmp_path)]
+    result = allocator.main(argv)
+    assert set(result["settings"]) == set(allocator.SETTINGS)
+    for rows in result["settings"].values():
+        assert [row["features"] for row in rows] == [4]
+        assert all(ms > 0 for ms in rows[0]["ms"].values())
+        assert {"row gather", "jnp.take", "x * 2", "segment sum"} <= set(rows[0]["ms"])
+    assert "heap reuse" in (tmp_path / "allocator.md").read_text()

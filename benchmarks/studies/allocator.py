@@ -1,0 +1,161 @@
+"""Large outputs and glibc's allocator: ``python -m benchmarks.studies.allocator``.
+
+On CPU, XLA and torch allocate every output anew. glibc serves an allocation above its
+mmap threshold (at most 32 MiB by default) with fresh pages from the kernel, which
+zeroes each one on first touch: a product whose output is an ``(E, N)`` array of
+edges then writes its output twice. The study times, in one child process per
+``GLIBC_TUNABLES`` setting (the tunables are read at process start), systems timed in
+turns on a real graph's destinations ``ids`` (``E`` edges, ``V`` nodes):
+
+``row gather``       jaxcsr's ``A.T @ y`` for ``A = CSRMatrix.from_indices(ids, V)``
+                     (``y[ids]``, the segment sum's backward): an ``(E, N)`` output
+``jnp.take``         ``y[ids]`` in XLA
+``torch``            ``torch.index_select(y, 0, ids)`` (where torch installs)
+``x * 2``            an ``(E, N)`` elementwise op, the same output size
+``segment sum``      jaxcsr's ``A @ v``: a ``(V, N)`` output, the control
+
+Settings: ``default`` (``glibc.malloc.hugetlb=1``, the benchmarks' setting) and
+``heap reuse`` (plus ``glibc.malloc.mmap_threshold`` 1 GiB and
+``glibc.malloc.trim_threshold`` 4 GiB: large blocks come from the heap and stay there,
+so a freed output's pages are reused by the next). Writes ``allocator.json`` and
+``allocator.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+SETTINGS = {
+    "default": "glibc.malloc.hugetlb=1",
+    "heap reuse": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1073741824"
+    ":glibc.malloc.trim_threshold=4294967296",
+}
+SYSTEMS = ("row gather", "jnp.take", "torch", "x * 2", "segment sum")
+
+
+def child(graph_name: str, features: list[int], dtype: str, repeats: int) -> list[dict]:
+    """One process: every system at every width, timed in turns; rows of medians."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxcsr
+    from benchmarks import measure
+    from benchmarks.datasets import load_graph
+
+    graph = load_graph(graph_name)
+    V, ids = graph.num_nodes, graph.dst.astype(np.int32)
+    A = jaxcsr.CSRMatrix.from_indices(ids, num_rows=V)
+    jids = jnp.asarray(ids)
+    rng = np.random.default_rng(0)
+    try:
+        import torch
+    except ImportError:
+        torch = None
+    gather = jax.jit(lambda A, y: A.T @ y)
+    take = jax.jit(lambda y, i: y[i])
+    double = jax.jit(lambda x: x * 2)
+    segment = jax.jit(lambda A, v: A @ v)
+    tids = None if torch is None else torch.from_numpy(ids.astype(np.int64))
+    rows = []
+    for n in features:
+        y = jnp.asarray(rng.standard_normal((V, n)), dtype)
+        v = jnp.asarray(rng.standard_normal((ids.size, n)), dtype)
+        thunks = {
+            "row gather": lambda y=y: gather(A, y),
+            "jnp.take": lambda y=y: take(y, jids),
+            "x * 2": lambda v=v: double(v),
+            "segment sum": lambda v=v: segment(A, v),
+        }
+        if torch is not None:
+            ty = torch.from_numpy(np.asarray(y, np.float32)).to(getattr(torch, dtype))
+            thunks["torch"] = lambda ty=ty: torch.index_select(ty, 0, tids)
+        timings, outs = measure.time_in_turns(thunks, repeats)
+        want = np.asarray(outs["jnp.take"], np.float32)
+        for name in ("row gather", "torch"):
+            if name in outs:  # the gathers agree exactly
+                np.testing.assert_array_equal(measure.to_numpy(outs[name]), want)
+        out_bytes = ids.size * n * jnp.dtype(dtype).itemsize
+        rows.append(
+            {
+                "features": n,
+                "output_mb": out_bytes / 1e6,
+                "ms": {k: t.median_s * 1e3 for k, t in timings.items()},
+            }
+        )
+    return rows
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        f"### Large outputs and glibc's allocator ({result['graph']}, {result['dtype']}; "
+        f"{result['edges']} edges)",
+        "",
+        "Medians in ms, systems timed in turns in one process per setting; `default` = "
+        f"`GLIBC_TUNABLES={SETTINGS['default']}`, `heap reuse` = "
+        f"`GLIBC_TUNABLES={SETTINGS['heap reuse']}`.",
+        "",
+        "| N | output MB | system | default | heap reuse | default / heap reuse |",
+        "|---|---|---|---|---|---|",
+    ]
+    by_setting = result["settings"]
+    for i, row in enumerate(by_setting["default"]):
+        other = by_setting["heap reuse"][i]
+        for system in SYSTEMS:
+            if system not in row["ms"]:
+                continue
+            a, b = row["ms"][system], other["ms"][system]
+            lines.append(
+                f"| {row['features']} | {row['output_mb']:.0f} | {system} | {a:.2f} | {b:.2f} "
+                f"| {a / b:.2f}x |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.studies.allocator",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--graph", default="tolokers", help="embedded graph name or .npz path")
+    p.add_argument("--features", default="16,64", help="N, comma-separated")
+    p.add_argument("--dtype", default="float32")
+    p.add_argument("--repeats", type=int, default=15, help="timed rounds (median)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    features = [int(f) for f in args.features.split(",")]
+    if args.child:  # print the rows for the parent
+        print(json.dumps(child(args.graph, features, args.dtype, args.repeats)))
+        return {}
+    from benchmarks import report
+    from benchmarks.datasets import load_graph
+
+    settings = {}
+    for name, tunables in SETTINGS.items():
+        command = [sys.executable, "-m", "benchmarks.studies.allocator", "--child"]
+        command += ["--graph", args.graph, "--features", args.features]
+        command += ["--dtype", args.dtype, "--repeats", str(args.repeats)]
+        env = {**os.environ, "GLIBC_TUNABLES": tunables}
+        done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
+        settings[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        print(f"{name}: {settings[name]}", flush=True)
+    result = {
+        "graph": args.graph,
+        "edges": int(load_graph(args.graph).num_edges),
+        "dtype": args.dtype,
+        "settings": settings,
+        "command": report.command_line("benchmarks.studies.allocator", argv),
+    }
+    print(f"wrote {report.write_study(args.out, 'allocator', result, markdown(result))}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
