@@ -760,21 +760,33 @@ int64_t push_pieces(int64_t rows, int64_t entries, int64_t f, int64_t budget = i
   return most >= 4 ? 4 : most >= 2 ? 2 : 1;  // 3 would leave a thread idle
 }
 
+// The pieces of a push (row_push, softmax_push; ``row_bytes``: a row of x): as
+// push_pieces within 8 MiB; where that leaves one piece, two if their partials fit in
+// 32 MiB, or in 128 MiB for rows of x under 512 bytes. The alternative, one piece with
+// its features split over the threads in blocks of 64-byte lines, measured slower in
+// both cases (2 cores, shuffled ids, all threads, before -> after: musae-github F = 64
+// bfloat16 27.6 -> 9.4 ms, float32 13.3 -> 10.0; tolokers F = 256 bfloat16 91.7 ->
+// 47.2, float32 103 -> 79; twitter-ego F = 64, 42 MB of partials, bfloat16 131 -> 49,
+// float32 63 -> 49, where one thread had taken 79 ms; the softmax over twitter-ego,
+// float32, 32 heads 131-146 -> 96-104 ms, 64 heads 277 -> 198), and faster only past
+// 32 MiB with rows of 512 bytes (musae-github F = 128 float32: 24-27 against 31 ms);
+// under one line of x it runs on one thread. With 4 entries per row and piece the
+// partials stay within a quarter of x's float32 bytes.
+int64_t push_piece_count(int64_t rows, int64_t entries, int64_t f, int64_t row_bytes) {
+  const int64_t pieces = push_pieces(rows, entries, f);
+  if (pieces > 1) return pieces;
+  const int64_t budget = int64_t{row_bytes < 512 ? 128 : 32} << 20;
+  return push_pieces(rows, entries, f, budget) >= 2 ? 2 : 1;
+}
+
 // The push product in P pieces of consecutive entries, P fixed by the sizes alone
 // (1, 2 or 4, at least 4 entries per row and piece, the partials within 8 MiB: their
 // fill and merge must stay small next to the entries' own work; measured on 2 cores
 // with tolokers and musae-github in random order, F = 1..64, 1-8 pieces): each
 // piece reduces its entries into its own (m, f) float32 partial in input order, then
-// the partials are combined in piece order, rows split over threads. Where 8 MiB
-// allows one piece only, two pieces run if their partials fit in 32 MiB, or 128 MiB for
-// rows of x under 512 bytes: a feature split measured slower in both cases (2 cores,
-// shuffled ids, all threads: musae-github F = 64 bfloat16 27.6 -> 9.4 ms, float32 13.3
-// -> 10.0; tolokers F = 256 bfloat16 91.7 -> 47.2, float32 103 -> 79; twitter-ego F =
-// 64, 42 MB of partials, bfloat16 131 -> 49, float32 63 -> 49; on one thread the
-// bfloat16 split had taken 79 ms), faster only past 32 MiB with rows of 512 bytes
-// (musae-github F = 128 float32: 26-27 against 31 ms). The partials stay within a
-// quarter of x's float32 bytes (4 entries per row and piece). One piece (an output too
-// large to copy, or few entries per row) splits its features instead, in
+// the partials are combined in piece order, rows split over threads; where 8 MiB
+// allows one piece, two within a larger budget (push_piece_count). One piece (an
+// output too large to copy, or few entries per row) splits its features instead, in
 // blocks of whole 64-byte lines of x, one per thread: every block takes every entry
 // in input order, so each value is reduced in the same order as on one thread. Every
 // row is reduced in one order that depends on the sizes only: bit-identical for any
@@ -786,12 +798,8 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
               int64_t entries, int64_t f) {
   const int64_t threads = entries * f < kSerialWork ? 1 : thread_count(pool, max_threads);
-  int64_t pieces = push_pieces(rows, entries, f);
-  if (pieces == 1) {
-    const int64_t row_bytes = f * static_cast<int64_t>(sizeof(typename In::Storage));
-    const int64_t budget = int64_t{row_bytes < 512 ? 128 : 32} << 20;
-    pieces = push_pieces(rows, entries, f, budget) >= 2 ? 2 : 1;
-  }
+  const int64_t pieces =
+      push_piece_count(rows, entries, f, f * int64_t{sizeof(typename In::Storage)});
   // float32 sums with one piece accumulate in the output itself
   constexpr bool f32_sum = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
   const bool direct = f32_sum && pieces == 1;
@@ -1948,12 +1956,7 @@ void softmax_push(ffi::ThreadPool& pool, int64_t threads, const int32_t* ids,
   using Body = SoftmaxPushRows<In, Out, What>;
   using Body16 = SoftmaxPushRows16<In, Out, What>;
   using Op = typename Body::Op;
-  int64_t pieces = push_pieces(m, n, h);
-  // One piece whose heads span less than two lines of x would run on one thread (its
-  // heads are not split within a line): two pieces instead, partials within 32 MiB
-  // (twitter-ego shuffled, 81k rows, 16 heads: 82-87 -> 61-71 ms forward).
-  if (pieces == 1 && h * static_cast<int64_t>(sizeof(typename In::Storage)) < 128)
-    pieces = push_pieces(m, n, h, int64_t{32} << 20) >= 2 ? 2 : 1;
+  const int64_t pieces = push_piece_count(m, n, h, h * int64_t{sizeof(typename In::Storage)});
   if (pieces == 1) {
     fill_columns(acc, m, h, h, Op::init);
     over_feature_blocks<typename In::Storage>(pool, threads, h, [&](int64_t c0, int64_t c1) {
