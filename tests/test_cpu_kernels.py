@@ -387,6 +387,48 @@ def test_feature_major_gather_splits_rows_and_zeroes_padded_ids(rng):
     np.testing.assert_array_equal(np.asarray(padded(jnp.asarray(few), ct)), want)
 
 
+@pytest.mark.parametrize("how", ["cached", "streamed", "auto"])
+def test_row_gather_stores_give_the_same_bits(rng, how):
+    """The row gather ``y[ids]`` (the segment sum's backward) copies rows through the
+    caches or past them (non-temporal stores: large outputs into resident pages):
+    forced either way, and as the kernel decides, it is a copy bit for bit, for rows of
+    16 to 272 bytes (streamed from 32 bytes on, in 16-byte units), an odd count of rows
+    over the threads, and traced ids outside the rows (0 rows)."""
+    m, k = 301, 20_011
+    ids = rng.integers(0, m, k).astype(np.int32)
+    A = CSRMatrix.from_indices(ids, m)
+    padded = ids.copy()
+    padded[rng.choice(k, 7, replace=False)] = [-3, -1, m, m + 2, m + 9, -7, m + 1]
+    keep = (padded >= 0) & (padded < m)
+    with cpu._row_gather_stores(how):
+        static = jax.jit(lambda A, y: A.T @ y)
+        traced = jax.jit(
+            lambda i, y: jax.vjp(
+                lambda v: jaxcsr.segment_sum(v, i, num_segments=m, impl="cpu"),
+                jnp.zeros((k, y.shape[1]), y.dtype),
+            )[1](y)[0]
+        )
+        widths = [(np.float16, 8), (np.float32, 8), (np.float32, 12), (np.float32, 16)]
+        widths += [(np.float32, 68), (jnp.bfloat16, 16), (jnp.bfloat16, 40)]
+        for dtype, f in widths:
+            y = random_values(rng, (m, f)).astype(dtype)
+            assert k * f >= SERIAL_WORK  # several threads, an odd number of rows each
+            np.testing.assert_array_equal(np.asarray(static(A, y)), y[ids])
+            want = np.where(keep[:, None], y[np.clip(padded, 0, m - 1)], 0).astype(dtype)
+            np.testing.assert_array_equal(np.asarray(traced(padded, y)), want)
+            code = {"auto": 0, "cached": 1, "streamed": 2}[how]
+            assert f"stores = {code}" in traced.lower(padded, y).as_text()
+    # past kStreamBytes (24 MiB): the output's pages decide; the same bits either way
+    big = rng.integers(0, m, 400_009).astype(np.int32)
+    y = random_values(rng, (m, 16)).astype(np.float32)
+    with cpu._row_gather_stores(how):
+        gather = jax.jit(lambda A, y: A.T @ y)
+        for _ in range(3):  # a freed output's block may come back, its pages resident
+            np.testing.assert_array_equal(
+                np.asarray(gather(CSRMatrix.from_indices(big, m), y)), y[big]
+            )
+
+
 def test_gradients_through_the_native_products(rng):
     A, dense = _matrix(rng, "general")
     x = random_values(rng, (N, 5)).astype(np.float32)

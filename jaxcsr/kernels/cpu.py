@@ -90,6 +90,10 @@ _TARGETS = {
     "jaxcsr_cpu_softmax": "JaxcsrSoftmax",
 }
 _MAX_THREADS = 0
+# the row gather's stores: 0 as the kernel decides (past the caches for large outputs
+# in resident pages), 1 always through the caches, 2 always past them where the rows
+# allow; tests force each to compare their bits (_row_gather_stores)
+_GATHER_STORES = 0
 _REDUCE = {"sum": 0, "max": 1, "min": 2}
 
 
@@ -132,6 +136,20 @@ def threads(n: int) -> Iterator[None]:
         yield
     finally:
         _MAX_THREADS = saved
+
+
+@contextlib.contextmanager
+def _row_gather_stores(how: str) -> Iterator[None]:
+    """Row gathers traced inside the block store ``"auto"`` (the default), always
+    ``"cached"`` or always ``"streamed"`` (past the caches, where the rows are 32 bytes
+    or more, a multiple of 16, without values or a dtype change). For tests: the
+    results are the same bits."""
+    global _GATHER_STORES
+    saved, _GATHER_STORES = _GATHER_STORES, {"auto": 0, "cached": 1, "streamed": 2}[how]
+    try:
+        yield
+    finally:
+        _GATHER_STORES = saved
 
 
 def plan(structure: Structure) -> None:
@@ -197,7 +215,7 @@ def product(
         values = none if data is None else view.row_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_gather", out)
         cols = view.row_of_col.astype(jnp.int32)  # empty rows (past n, padded: < 0): 0
-        return call(cols, values, x, **attrs)
+        return call(cols, values, x, stores=np.int64(_GATHER_STORES), **attrs)
     if kernel_for(view) == "push":
         values = none if data is None else view.column_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_push", out)
