@@ -293,27 +293,46 @@ def test_push_too_wide_for_8_mib_runs_two_pieces(rng, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_one_piece_push_splits_features_over_threads(rng, dtype):
-    """Unsorted ids with about 3 per row push in one piece, whose features split over
+    """Unsorted ids with under 2 per row push in one piece, whose features split over
     the threads in blocks of 64-byte lines (F = 48: blocks of 16 and 32 float32
     features; F = 64 bfloat16: two of 32): sum, max and min against float64, and the
     same bits on one thread."""
+    m, k = 3000, 5000
+    ids = power_law_ids(rng, k, m)
+    rng.shuffle(ids)
+    A = CSRMatrix.from_indices(ids, m)
+    assert cpu.kernel_for(A.structure) == "push" and k < 2 * m  # one piece
+    _push_threads_agree(rng, A, dtype, (48, 64))
+
+
+def _push_threads_agree(rng, A, dtype, widths):
+    """Sum, max and min of ``A @ x`` against float64, on all threads and one bit for bit."""
+    reduces = ("sum", "max", "min")
+    fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
+    for f in widths:
+        assert A.shape[1] * f >= SERIAL_WORK
+        x = random_values(rng, (A.shape[1], f)).astype(dtype)
+        with cpu.threads(1):  # traced inside the block
+            one = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
+            ones = one(A, x)
+            assert "max_threads = 1" in one.lower(A, x).as_text()
+        every = fn(A, x)
+        for reduce, y, y1 in zip(reduces, every, ones, strict=True):
+            want, _ = reduce_reference(A, np.asarray(x, np.float64), reduce)
+            assert_close(y, want, dtype)
+            np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
+def test_sixteen_bit_push_with_few_ids_per_row_runs_two_pieces(rng, dtype):
+    """16-bit values with 2 to 4 unsorted ids per row (too few for the float32 rule)
+    push in two pieces, rows of one line (F = 16, 32 bytes) and of two (F = 64)."""
     m, k = 3000, 9000
     ids = power_law_ids(rng, k, m)
     rng.shuffle(ids)
     A = CSRMatrix.from_indices(ids, m)
-    assert cpu.kernel_for(A.structure) == "push" and k < 8 * m  # one piece
-    reduces = ("sum", "max", "min")
-    fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
-    with cpu.threads(1):
-        one = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
-    for f in (48, 64):
-        assert k * f >= SERIAL_WORK
-        x = random_values(rng, (k, f)).astype(dtype)
-        every = fn(A, x)
-        for reduce, y, y1 in zip(reduces, every, one(A, x), strict=True):
-            want, _ = reduce_reference(A, np.asarray(x, np.float64), reduce)
-            assert_close(y, want, dtype)
-            np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
+    assert 2 * m <= k < 4 * m
+    _push_threads_agree(rng, A, dtype, (16, 64))
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -348,14 +367,16 @@ def test_feature_major_threads_agree_bit_for_bit(rng, kind):
     """Feature-major push, pull and gather: one thread and all give the same bits."""
     A, _ = _matrix(rng, kind, m=300, n=1000, k=9000)
     every = jax.jit(lambda B, v: v @ B)
-    with cpu.threads(1):
-        one = jax.jit(lambda B, v: v @ B)
+    one = jax.jit(lambda B, v: v @ B)  # always called (so traced) inside the block
     for B in (A, A.T):
         for dtype in (np.float32, jnp.bfloat16):
             for f in (1, 20, 64):
                 v = random_values(rng, (f, B.shape[0])).astype(dtype)
                 assert B.nnz * 20 >= SERIAL_WORK
-                np.testing.assert_array_equal(np.asarray(one(B, v)), np.asarray(every(B, v)))
+                with cpu.threads(1):
+                    y1 = np.asarray(one(B, v))
+                    assert "max_threads = 1" in one.lower(B, v).as_text()
+                np.testing.assert_array_equal(y1, np.asarray(every(B, v)))
 
 
 def test_feature_major_gather_splits_rows_and_zeroes_padded_ids(rng):

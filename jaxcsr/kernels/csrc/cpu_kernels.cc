@@ -781,11 +781,22 @@ int64_t push_pieces(int64_t rows, int64_t entries, int64_t f, int64_t budget) {
 // 32 MiB with rows of 512 bytes (musae-github F = 128 float32: 24-27 against 31 ms);
 // under one line of x it runs on one thread. With 4 entries per row and piece the
 // partials stay within a quarter of x's float32 bytes.
-int64_t push_piece_count(int64_t rows, int64_t entries, int64_t f, int64_t row_bytes) {
+//
+// A product push of 16-bit x (``narrow``) with fewer entries per row takes two pieces
+// from 2 entries per row on (past kSerialWork, partials within 32 MiB): converting its
+// values to float32 makes it compute-bound where x stays in cache, and a feature split
+// then runs on one thread for rows of one line or at its speed (PubMed shuffled, 4.5
+// ids a row, bfloat16, all threads: F = 16 0.645 -> 0.45 ms, F = 64 2.55 -> 1.52 ms, one
+// thread 0.67 and 2.58; float32 gained nothing from pieces: 0.37 -> 0.45 ms at F = 16).
+int64_t push_piece_count(int64_t rows, int64_t entries, int64_t f, int64_t row_bytes,
+                         bool narrow = false) {
   const int64_t pieces = push_pieces(rows, entries, f, int64_t{8} << 20);
   if (pieces > 1) return pieces;
   const int64_t budget = int64_t{row_bytes < 512 ? 128 : 32} << 20;
-  return push_pieces(rows, entries, f, budget) >= 2 ? 2 : 1;
+  if (push_pieces(rows, entries, f, budget) >= 2) return 2;
+  const bool two = narrow && entries * f >= kSerialWork && entries >= 2 * rows &&
+                   2 * 4 * rows * f <= (int64_t{32} << 20);
+  return two ? 2 : 1;
 }
 
 // The push product in P pieces of consecutive entries, P fixed by the sizes alone
@@ -808,7 +819,8 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               int64_t entries, int64_t f) {
   const int64_t threads = entries * f < kSerialWork ? 1 : thread_count(pool, max_threads);
   const int64_t pieces =
-      push_piece_count(rows, entries, f, f * int64_t{sizeof(typename In::Storage)});
+      push_piece_count(rows, entries, f, f * int64_t{sizeof(typename In::Storage)},
+                       sizeof(typename In::Storage) == 2);
   // float32 sums with one piece accumulate in the output itself
   constexpr bool f32_sum = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
   const bool direct = f32_sum && pieces == 1;
