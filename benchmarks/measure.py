@@ -192,6 +192,19 @@ def copy_bandwidth_by_threads(
     return out
 
 
+def dispatch_floor(size: int = 1000, repeats: int = 201) -> float:
+    """Median ms of a jitted ``x + 1`` on ``size`` float32s: what any call of a jitted
+    function costs here before its own work (dispatch, the output's allocation), paid
+    by every JAX system and by neither scipy nor torch."""
+    import jax
+    import jax.numpy as jnp
+
+    x = jnp.ones((size,), jnp.float32)
+    inc = jax.jit(lambda x: x + 1)
+    timing, _ = time_thunk(lambda: inc(x), repeats)
+    return timing.median_s * 1e3
+
+
 def to_numpy(out: Any) -> np.ndarray:
     """Any system's output as a float32 numpy array (for the correctness check)."""
     if hasattr(out, "detach"):  # torch

@@ -306,6 +306,8 @@ def test_cpu_native_study(tmp_path):
     text = (tmp_path / "cpu_native.md").read_text()
     assert "% of copy" in text and "A copy split over threads" in text
     assert set(result["copy_by_threads"]) == {1, os.cpu_count()}
+    assert 0 < result["dispatch_ms"] < 50  # ms
+    assert "A jitted `x + 1`" in text
 
 
 def test_allocator_study(tmp_path):
@@ -319,5 +321,5 @@ def test_allocator_study(tmp_path):
     for rows in result["settings"].values():
         assert [row["features"] for row in rows] == [4]
         assert all(ms > 0 for ms in rows[0]["ms"].values())
-        assert {"row gather", "jnp.take", "x * 2", "segment sum"} <= set(rows[0]["ms"])
+        assert set(allocator.SYSTEMS) - {"torch"} <= set(rows[0]["ms"])
     assert "heap reuse" in (tmp_path / "allocator.md").read_text()

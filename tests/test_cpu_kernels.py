@@ -409,19 +409,21 @@ def test_feature_major_gather_splits_rows_and_zeroes_padded_ids(rng):
 
 
 @pytest.mark.parametrize("how", ["cached", "streamed", "auto"])
-def test_row_gather_stores_give_the_same_bits(rng, how):
-    """The row gather ``y[ids]`` (the segment sum's backward) copies rows through the
-    caches or past them (non-temporal stores: large outputs into resident pages):
-    forced either way, and as the kernel decides, it is a copy bit for bit, for rows of
-    16 to 272 bytes (streamed from 32 bytes on, in 16-byte units), an odd count of rows
-    over the threads, and traced ids outside the rows (0 rows)."""
+def test_gather_stores_give_the_same_bits(rng, how):
+    """The row gather ``y[ids]`` (the segment sum's backward) and the feature-major one
+    ``ct[:, ids]`` (``values @ A.T``'s) copy through the caches or past them
+    (non-temporal stores: large outputs into resident pages): forced either way, and
+    as the kernel decides, each is a copy bit for bit -- rows of 16 to 272 bytes
+    (streamed from 32 bytes on, in 16-byte units), feature rows of 2- and 4-byte values
+    at every alignment, an odd count of rows over the threads, and traced ids outside
+    the rows (zeros)."""
     m, k = 301, 20_011
     ids = rng.integers(0, m, k).astype(np.int32)
     A = CSRMatrix.from_indices(ids, m)
     padded = ids.copy()
     padded[rng.choice(k, 7, replace=False)] = [-3, -1, m, m + 2, m + 9, -7, m + 1]
     keep = (padded >= 0) & (padded < m)
-    with cpu._row_gather_stores(how):
+    with cpu._gather_stores(how):
         static = jax.jit(lambda A, y: A.T @ y)
         traced = jax.jit(
             lambda i, y: jax.vjp(
@@ -439,10 +441,21 @@ def test_row_gather_stores_give_the_same_bits(rng, how):
             np.testing.assert_array_equal(np.asarray(traced(padded, y)), want)
             code = {"auto": 0, "cached": 1, "streamed": 2}[how]
             assert f"stores = {code}" in traced.lower(padded, y).as_text()
+
+        def fm_grad(A, ct):  # ct[:, ids]: feature rows of k values
+            return jax.vjp(lambda v: v @ A.T, jnp.zeros((ct.shape[0], k), ct.dtype))[1](ct)[0]
+
+        fm_static = jax.jit(fm_grad)
+        fm_traced = jax.jit(lambda i, ct: fm_grad(CSRMatrix.from_indices(i, m), ct))
+        for dtype, f in [(np.float32, 1), (np.float32, 7), (jnp.bfloat16, 9), (np.float16, 3)]:
+            ct = random_values(rng, (f, m)).astype(dtype)
+            np.testing.assert_array_equal(np.asarray(fm_static(A, ct)), ct[:, ids])
+            want = np.where(keep[None], ct[:, np.clip(padded, 0, m - 1)], 0).astype(dtype)
+            np.testing.assert_array_equal(np.asarray(fm_traced(padded, ct)), want)
     # past kStreamBytes (24 MiB): the output's pages decide; the same bits either way
     big = rng.integers(0, m, 400_009).astype(np.int32)
     y = random_values(rng, (m, 16)).astype(np.float32)
-    with cpu._row_gather_stores(how):
+    with cpu._gather_stores(how):
         gather = jax.jit(lambda A, y: A.T @ y)
         for _ in range(3):  # a freed output's block may come back, its pages resident
             np.testing.assert_array_equal(

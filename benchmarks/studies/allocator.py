@@ -12,6 +12,9 @@ turns on a real graph's destinations ``ids`` (``E`` edges, ``V`` nodes):
 ``jnp.take``         ``y[ids]`` in XLA
 ``torch``            ``torch.index_select(y, 0, ids)`` (where torch installs)
 ``x * 2``            an ``(E, N)`` elementwise op, the same output size
+``column gather``    jaxcsr's ``c @ A`` for ``c`` of shape ``(N, V)``: ``c[:, ids]``, the
+                     backward of ``values @ A.T`` (an ``(N, E)`` output, feature-major)
+``take columns``     ``c[:, ids]`` in XLA
 ``segment sum``      jaxcsr's ``A @ v``: a ``(V, N)`` output, the control
 
 Settings: ``default`` (``glibc.malloc.hugetlb=1``, the benchmarks' setting) and
@@ -35,7 +38,8 @@ SETTINGS = {
     "heap reuse": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1073741824"
     ":glibc.malloc.trim_threshold=4294967296",
 }
-SYSTEMS = ("row gather", "jnp.take", "torch", "x * 2", "segment sum")
+SYSTEMS = ("row gather", "jnp.take", "torch", "x * 2", "column gather", "take columns")
+SYSTEMS += ("segment sum",)
 
 
 def child(graph_name: str, features: list[int], dtype: str, repeats: int) -> list[dict]:
@@ -59,6 +63,8 @@ def child(graph_name: str, features: list[int], dtype: str, repeats: int) -> lis
         torch = None
     gather = jax.jit(lambda A, y: A.T @ y)
     take = jax.jit(lambda y, i: y[i])
+    columns = jax.jit(lambda A, c: c @ A)
+    take_columns = jax.jit(lambda c, i: c[:, i])
     double = jax.jit(lambda x: x * 2)
     segment = jax.jit(lambda A, v: A @ v)
     tids = None if torch is None else torch.from_numpy(ids.astype(np.int64))
@@ -66,7 +72,10 @@ def child(graph_name: str, features: list[int], dtype: str, repeats: int) -> lis
     for n in features:
         y = jnp.asarray(rng.standard_normal((V, n)), dtype)
         v = jnp.asarray(rng.standard_normal((ids.size, n)), dtype)
+        c = jnp.asarray(rng.standard_normal((n, V)), dtype)
         thunks = {
+            "column gather": lambda c=c: columns(A, c),
+            "take columns": lambda c=c: take_columns(c, jids),
             "row gather": lambda y=y: gather(A, y),
             "jnp.take": lambda y=y: take(y, jids),
             "x * 2": lambda v=v: double(v),
@@ -80,6 +89,9 @@ def child(graph_name: str, features: list[int], dtype: str, repeats: int) -> lis
         for name in ("row gather", "torch"):
             if name in outs:  # the gathers agree exactly
                 np.testing.assert_array_equal(measure.to_numpy(outs[name]), want)
+        np.testing.assert_array_equal(
+            measure.to_numpy(outs["column gather"]), measure.to_numpy(outs["take columns"])
+        )
         out_bytes = ids.size * n * jnp.dtype(dtype).itemsize
         rows.append(
             {

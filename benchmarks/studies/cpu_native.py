@@ -22,8 +22,9 @@ the floor's bytes: the dense operand read once, the output written once and the
 index arrays (4 B per id; CSR: 4 B per entry and per row) read once; and jaxcsr on all
 threads against one twice: in turns with the peers (whose calls let the pool's threads
 fall asleep and evict the operands) and the two alone, next to how far a plain copy's
-bandwidth scales over the same threads (:func:`benchmarks.measure.copy_bandwidth_by_threads`).
-torch runs
+bandwidth scales over the same threads (:func:`benchmarks.measure.copy_bandwidth_by_threads`),
+and what a jitted ``x + 1`` costs (:func:`benchmarks.measure.dispatch_floor`), the
+floor under the smallest cells. torch runs
 with ``OMP_WAIT_POLICY=PASSIVE`` (see :mod:`benchmarks`). Writes ``cpu_native.json``
 and ``cpu_native.md`` to ``--out``.
 """
@@ -43,6 +44,7 @@ from benchmarks import report
 from benchmarks.datasets import load_graph
 from benchmarks.measure import (
     copy_bandwidth_by_threads,
+    dispatch_floor,
     memory_bandwidth,
     time_in_turns,
     to_numpy,
@@ -212,6 +214,12 @@ def markdown(result: dict) -> str:
     copy = result["copy_by_threads"]
     gbps = ", ".join(f"{t} thread(s) {g:.1f} GB/s" for t, g in copy.items())
     lines += ["", f"A copy split over threads (numpy, same process): {gbps}."]
+    if "dispatch_ms" in result:
+        lines.append(
+            f"A jitted `x + 1` on 1000 floats takes {result['dispatch_ms']:.3f} ms: the "
+            "floor of any call of a jitted function here, which jaxcsr, its XLA path, "
+            "`jax.ops` and BCSR pay and scipy and torch do not."
+        )
     wide = [r for r in result["rows"] if r["features"] >= 16]
     if wide:
         keys = ("threads_speedup", "threads_speedup_alone")
@@ -239,6 +247,8 @@ def main(argv=None) -> dict:
     torch = _torch()
     bandwidth = memory_bandwidth(512)
     copy_by_threads = copy_bandwidth_by_threads((1, os.cpu_count() or 1))
+    dispatch_ms = dispatch_floor()
+    print(f"a jitted x + 1 on 1000 floats: {dispatch_ms:.3f} ms")
     print(f"copy bandwidth {bandwidth['copy_gbps']:.1f} GB/s; by threads {copy_by_threads}")
     rng = np.random.default_rng(0)
     rows = []
@@ -261,6 +271,7 @@ def main(argv=None) -> dict:
         "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY"),
         "bandwidth": bandwidth,
         "copy_by_threads": copy_by_threads,
+        "dispatch_ms": dispatch_ms,
         "threads": os.cpu_count(),
         "rows": rows,
         "command": report.command_line("benchmarks.studies.cpu_native", argv),

@@ -90,9 +90,9 @@ _TARGETS = {
     "jaxcsr_cpu_softmax": "JaxcsrSoftmax",
 }
 _MAX_THREADS = 0
-# the row gather's stores: 0 as the kernel decides (past the caches for large outputs
-# in resident pages), 1 always through the caches, 2 always past them where the rows
-# allow; tests force each to compare their bits (_row_gather_stores)
+# the gathers' stores: 0 as the kernel decides (past the caches for large outputs in
+# resident pages), 1 always through the caches, 2 always past them where the layout
+# allows; tests force each to compare their bits (_gather_stores)
 _GATHER_STORES = 0
 _REDUCE = {"sum": 0, "max": 1, "min": 2}
 
@@ -139,11 +139,11 @@ def threads(n: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def _row_gather_stores(how: str) -> Iterator[None]:
-    """Row gathers traced inside the block store ``"auto"`` (the default), always
-    ``"cached"`` or always ``"streamed"`` (past the caches, where the rows are 32 bytes
-    or more, a multiple of 16, without values or a dtype change). For tests: the
-    results are the same bits."""
+def _gather_stores(how: str) -> Iterator[None]:
+    """Gathers (row and feature-major) traced inside the block store ``"auto"`` (the
+    default), always ``"cached"`` or always ``"streamed"`` (past the caches, where the
+    values are copied as they are: no weights, one dtype; rows of 32 bytes or more, a
+    multiple of 16). For tests: the results are the same bits."""
     global _GATHER_STORES
     saved, _GATHER_STORES = _GATHER_STORES, {"auto": 0, "cached": 1, "streamed": 2}[how]
     try:

@@ -27,6 +27,7 @@
 #include <cstring>
 #include <memory>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -1482,6 +1483,40 @@ struct GatherRowsStreamed {
   }
 };
 
+// Rows [r0, r1) of feature k of the feature-major gather, for 2- or 4-byte values
+// copied as they are (no values, one dtype): to[r] = from[at[r]], the aligned middle
+// of the row stored past the caches 16 bytes at a time, its ends through them.
+template <typename T>
+JAXCSR_INLINE void gather_fm_streamed(const int32_t* at, const T* from, T* to, int64_t r0,
+                                      int64_t r1) {
+  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "2- or 4-byte values");
+  int64_t r = r0;
+#if defined(__SSE2__)
+  for (; r < r1 && reinterpret_cast<uintptr_t>(to + r) % 16 != 0; ++r) to[r] = from[at[r]];
+  for (; r + 16 / int64_t{sizeof(T)} <= r1; r += 16 / sizeof(T)) {
+    const int32_t* a = at + r;
+    __m128i v;
+    if constexpr (sizeof(T) == 4) {
+      v = _mm_setr_epi32(from[a[0]], from[a[1]], from[a[2]], from[a[3]]);
+    } else {
+      v = _mm_setr_epi16(from[a[0]], from[a[1]], from[a[2]], from[a[3]], from[a[4]],
+                         from[a[5]], from[a[6]], from[a[7]]);
+    }
+    _mm_stream_si128(reinterpret_cast<__m128i*>(to + r), v);
+  }
+  _mm_sfence();  // ordered before the pool sees the chunk done
+#endif
+  for (; r < r1; ++r) to[r] = from[at[r]];
+}
+
+template <typename T>
+struct GatherFeatureMajorStreamed {
+  template <typename... Args>
+  JAXCSR_INLINE static void run(Args&&... args) {
+    gather_fm_streamed<T>(std::forward<Args>(args)...);
+  }
+};
+
 // Whether the pages of [p, p + bytes) are already mapped to memory, sampled at up to
 // 16 pages (Linux; elsewhere false). A fresh output (glibc serves blocks past its mmap
 // threshold, at most 32 MiB by default, with new pages) is zeroed by the kernel at
@@ -1589,8 +1624,20 @@ struct GatherKernel {
       const int64_t use = rows * f < kSerialWork ? 1 : threads;
       const int64_t parts = std::max<int64_t>(1, (2 * use + f - 1) / f);
       auto* out = static_cast<typename Out::Storage*>(y);
+      using Bits = std::conditional_t<sizeof(typename Out::Storage) == 4, int32_t, int16_t>;
+      const int64_t bytes = rows * f * static_cast<int64_t>(sizeof(typename Out::Storage));
+      const bool stream = kStreams && std::is_same<In, Out>::value && !data &&
+                          (stores == Stores::kStreamed ||
+                           (stores == Stores::kAuto && bytes >= kStreamBytes &&
+                            pages_resident(y, bytes)));
       parallel_chunks(pool, f * parts, use, [&](int64_t c) {
         const int64_t k = c / parts, p = c % parts;
+        if (stream) {
+          run_best<GatherFeatureMajorStreamed<Bits>>(
+              at, static_cast<const Bits*>(x) + k * n, reinterpret_cast<Bits*>(out) + k * rows,
+              rows * p / parts, rows * (p + 1) / parts);
+          return;
+        }
         run_best<GatherFeatureMajor<In, Out>>(
             at, static_cast<const typename In::Storage*>(data),
             static_cast<const typename In::Storage*>(x), out, rows, n, k, k + 1,
