@@ -1489,20 +1489,20 @@ struct GatherRowsStreamed {
 template <typename T>
 JAXCSR_INLINE void gather_fm_streamed(const int32_t* at, const T* from, T* to, int64_t r0,
                                       int64_t r1) {
-  static_assert(sizeof(T) == 2 || sizeof(T) == 4, "2- or 4-byte values");
+  static_assert(std::is_same<T, float>::value || std::is_same<T, uint16_t>::value,
+                "float32 or 16-bit storage");
   int64_t r = r0;
 #if defined(__SSE2__)
   for (; r < r1 && reinterpret_cast<uintptr_t>(to + r) % 16 != 0; ++r) to[r] = from[at[r]];
   for (; r + 16 / int64_t{sizeof(T)} <= r1; r += 16 / sizeof(T)) {
     const int32_t* a = at + r;
-    __m128i v;
-    if constexpr (sizeof(T) == 4) {
-      v = _mm_setr_epi32(from[a[0]], from[a[1]], from[a[2]], from[a[3]]);
+    if constexpr (std::is_same<T, float>::value) {
+      _mm_stream_ps(to + r, _mm_setr_ps(from[a[0]], from[a[1]], from[a[2]], from[a[3]]));
     } else {
-      v = _mm_setr_epi16(from[a[0]], from[a[1]], from[a[2]], from[a[3]], from[a[4]],
-                         from[a[5]], from[a[6]], from[a[7]]);
+      const __m128i v = _mm_setr_epi16(from[a[0]], from[a[1]], from[a[2]], from[a[3]],
+                                       from[a[4]], from[a[5]], from[a[6]], from[a[7]]);
+      _mm_stream_si128(reinterpret_cast<__m128i*>(to + r), v);
     }
-    _mm_stream_si128(reinterpret_cast<__m128i*>(to + r), v);
   }
   _mm_sfence();  // ordered before the pool sees the chunk done
 #endif
@@ -1624,7 +1624,7 @@ struct GatherKernel {
       const int64_t use = rows * f < kSerialWork ? 1 : threads;
       const int64_t parts = std::max<int64_t>(1, (2 * use + f - 1) / f);
       auto* out = static_cast<typename Out::Storage*>(y);
-      using Bits = std::conditional_t<sizeof(typename Out::Storage) == 4, int32_t, int16_t>;
+      using S = typename Out::Storage;
       const int64_t bytes = rows * f * static_cast<int64_t>(sizeof(typename Out::Storage));
       const bool stream = kStreams && std::is_same<In, Out>::value && !data &&
                           (stores == Stores::kStreamed ||
@@ -1633,9 +1633,9 @@ struct GatherKernel {
       parallel_chunks(pool, f * parts, use, [&](int64_t c) {
         const int64_t k = c / parts, p = c % parts;
         if (stream) {
-          run_best<GatherFeatureMajorStreamed<Bits>>(
-              at, static_cast<const Bits*>(x) + k * n, reinterpret_cast<Bits*>(out) + k * rows,
-              rows * p / parts, rows * (p + 1) / parts);
+          run_best<GatherFeatureMajorStreamed<S>>(at, static_cast<const S*>(x) + k * n,
+                                                  out + k * rows, rows * p / parts,
+                                                  rows * (p + 1) / parts);
           return;
         }
         run_best<GatherFeatureMajor<In, Out>>(
