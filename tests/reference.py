@@ -101,6 +101,24 @@ def assert_close(actual, expected, dtype) -> None:
     np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerance(dtype) * scale)
 
 
+def assert_sums_close(actual, expected, abs_sums, dtype) -> None:
+    """Compares sums against a float64 reference, each within the dtype's tolerance of
+    the absolute sum of its terms (``abs_sums``, same shape): a sum accumulated in
+    float32 errs in proportion to its terms, not to its result, which long rows of
+    terms that cancel make small."""
+    actual = np.asarray(actual, dtype=np.float64)
+    expected = np.asarray(expected, dtype=np.float64)
+    assert actual.shape == expected.shape == np.shape(abs_sums)
+    bound = tolerance(dtype) * np.maximum(1.0, np.asarray(abs_sums, np.float64))
+    worst = np.argmax(np.abs(actual - expected) - bound)
+    assert np.all(np.abs(actual - expected) <= bound), (
+        np.unravel_index(worst, actual.shape),
+        actual.flat[worst],
+        expected.flat[worst],
+        bound.flat[worst],
+    )
+
+
 def dense_of(A) -> np.ndarray:
     """A CSRMatrix as a float64 numpy array (through scipy, not through jaxcsr's todense)."""
     return A.to_scipy().toarray().astype(np.float64)
