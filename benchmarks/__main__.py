@@ -78,6 +78,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="timed runs per system, median (default 3; 5 with --quick)",
     )
     p.add_argument(
+        "--min-time",
+        type=float,
+        default=argparse.SUPPRESS,
+        help="seconds of timed rounds per cell: after --repeats rounds, more rounds until "
+        "they have taken this long, at most --max-repeats (medians of a few runs of a "
+        "millisecond are noise); 0: exactly --repeats (default 2; 0 with --quick)",
+    )
+    p.add_argument(
+        "--max-repeats",
+        type=int,
+        default=25,
+        help="most timed rounds per cell under --min-time",
+    )
+    p.add_argument(
         "--budget",
         type=float,
         default=120.0,
@@ -103,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         args.budget = min(args.budget, 30.0)
     if "repeats" not in vars(args):
         args.repeats = 5 if args.quick else 3
+    if "min_time" not in vars(args):
+        args.min_time = 0.0 if args.quick else 2.0
     for name, allowed in (("peers", PEERS), ("workloads", WORKLOADS)):
         bad = set(getattr(args, name)) - set(allowed)
         if bad:
@@ -112,6 +128,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"unknown dtypes: {sorted(bad)}; choose from float32, bfloat16")
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
+    if args.min_time < 0:
+        p.error("--min-time must be >= 0")
+    args.max_repeats = max(args.max_repeats, args.repeats)
     return args
 
 
@@ -152,13 +171,21 @@ def _clock(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s"
 
 
-def run_case(case, repeats: int, budget_s: float, progress=None) -> dict[str, Any]:
+def run_case(
+    case,
+    repeats: int,
+    budget_s: float,
+    progress=None,
+    min_time_s: float = 0.0,
+    max_repeats: int | None = None,
+) -> dict[str, Any]:
     """Times every system of a case in turns; peers are checked against jaxcsr's output.
 
     First each system's first call (compilation + one run), its output checked at once:
     a system whose first call takes longer than ``budget_s`` is reported as timed out
     (no timing), one that raises as an error. Then one warm-up round and ``repeats``
-    timed rounds, each calling every system once in turn, so that a slow spell of the
+    timed rounds or more (``min_time_s``, ``max_repeats``: :func:`measure.time_rounds`),
+    each calling every system once in turn, so that a slow spell of the
     machine (or the first runs after a cell's inputs were built) falls on every system
     rather than on whichever is timed first; a system whose calls pass the budget
     leaves the later rounds with the runs it finished. ``progress(name, median_s,
@@ -204,7 +231,13 @@ def run_case(case, repeats: int, budget_s: float, progress=None) -> dict[str, An
         del got
     thunks = {name: case.systems[name] for name in firsts}
     timings, spent = measure.time_rounds(
-        thunks, firsts, repeats, budget_s=budget_s, unbounded=("jaxcsr",)
+        thunks,
+        firsts,
+        repeats,
+        budget_s=budget_s,
+        unbounded=("jaxcsr",),
+        min_time_s=min_time_s,
+        max_repeats=max_repeats,
     )  # jaxcsr runs every round; each peer within its budget
     for name, timing in timings.items():
         results[name] = {**vars(timing), **results[name]}
@@ -257,7 +290,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"ETA {'?' if eta is None else _clock(eta)})"
                     )
                     print(label, end="", flush=True, file=sys.stderr)
-                    res = run_case(case, args.repeats, args.budget, progress)
+                    res = run_case(
+                        case,
+                        args.repeats,
+                        args.budget,
+                        progress,
+                        min_time_s=args.min_time,
+                        max_repeats=args.max_repeats,
+                    )
                     floor_s = case.floor_bytes / (bw["copy_gbps"] * 1e9)
                     rows.append(
                         {

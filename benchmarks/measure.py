@@ -88,15 +88,23 @@ def time_thunk(
 
 
 def time_in_turns(
-    thunks: dict[str, Callable[[], Any]], repeats: int, warmup: int = 1
+    thunks: dict[str, Callable[[], Any]],
+    repeats: int,
+    warmup: int = 1,
+    min_time_s: float = 0.0,
+    max_repeats: int | None = None,
 ) -> tuple[dict[str, Timing], dict[str, Any]]:
     """Times several thunks in turns (one run of each per round): a slow spell of the
     machine then spreads over every system instead of whichever ran during it.
-    Returns each thunk's :class:`Timing` and its first output."""
+    ``repeats``, ``min_time_s`` and ``max_repeats`` set the number of timed rounds as
+    in :func:`time_rounds`. Returns each thunk's :class:`Timing` and its first output."""
     firsts, outs = {}, {}
     for name, thunk in thunks.items():
         firsts[name], outs[name] = timed(thunk)
-    return time_rounds(thunks, firsts, repeats, warmup)[0], outs
+    timings, _ = time_rounds(
+        thunks, firsts, repeats, warmup, min_time_s=min_time_s, max_repeats=max_repeats
+    )
+    return timings, outs
 
 
 def time_rounds(
@@ -106,17 +114,31 @@ def time_rounds(
     warmup: int = 1,
     budget_s: float | None = None,
     unbounded: tuple[str, ...] = (),
+    min_time_s: float = 0.0,
+    max_repeats: int | None = None,
 ) -> tuple[dict[str, Timing], dict[str, float]]:
     """After each thunk's first call (``firsts``: its seconds, made by the caller),
-    ``warmup`` untimed rounds and ``repeats`` (>= 1) timed rounds, each calling every
-    thunk once in turn. With ``budget_s``, a thunk (other than those in ``unbounded``)
-    whose calls, its first included, pass the budget skips the warm-up rounds that
-    would pass it and leaves the timed rounds once it has one run. Returns each thunk's
-    :class:`Timing` and the seconds its calls took, the first included."""
+    ``warmup`` untimed rounds and at least ``repeats`` (>= 1) timed rounds, each calling
+    every thunk once in turn; then more timed rounds while the timed rounds together
+    have taken less than ``min_time_s``, up to ``max_repeats`` rounds in all (default
+    ``repeats``: none more). A median of a few runs of a millisecond is the noise of
+    the moment; rounds that take seconds need no more than ``repeats``. With
+    ``budget_s``, a thunk (other than those in ``unbounded``) whose calls, its first
+    included, pass the budget skips the warm-up rounds that would pass it and leaves
+    the timed rounds once it has one run. Returns each thunk's :class:`Timing` and the
+    seconds its calls took, the first included."""
+    if max_repeats is None:
+        max_repeats = repeats
+    if repeats < 1 or max_repeats < repeats:
+        raise ValueError(f"need 1 <= repeats <= max_repeats, got {repeats}, {max_repeats}")
     spent = dict(firsts)
     samples: dict[str, list[float]] = {name: [] for name in thunks}
-    for round_ in range(warmup + repeats):
+    timed_s = 0.0
+    for round_ in itertools.count():
         timed_round = round_ >= warmup
+        done = round_ - warmup if timed_round else 0
+        if done >= max_repeats or (done >= repeats and timed_s >= min_time_s):
+            break
         for name, thunk in thunks.items():
             if budget_s is not None and name not in unbounded:
                 ahead = 0.0 if timed_round else firsts[name]
@@ -126,6 +148,7 @@ def time_rounds(
             spent[name] += seconds
             if timed_round:
                 samples[name].append(seconds)
+                timed_s += seconds
     return {name: Timing.of(firsts[name], samples[name]) for name in thunks}, spent
 
 

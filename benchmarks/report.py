@@ -163,6 +163,25 @@ def write_study(out_dir: Path, stem: str, result: dict[str, Any], text: str) -> 
     return path
 
 
+def runs_line(result: dict[str, Any]) -> str:
+    """How many timed runs each median is of: the configured rule and the range run."""
+    config = result.get("config", {})
+    runs = [
+        r["runs"]
+        for row in result["rows"]
+        for r in row["systems"].values()
+        if isinstance(r, dict) and "runs" in r
+    ]
+    rule = f"at least {config.get('repeats', '?')}"
+    if config.get("min_time"):
+        rule += (
+            f", more until a cell's timed rounds took {config['min_time']:g} s "
+            f"(at most {config.get('max_repeats', '?')})"
+        )
+    ran = f"; {min(runs)}-{max(runs)} here" if runs else ""
+    return f"Timed runs per system and cell: {rule}{ran} (a peer past the budget: fewer)."
+
+
 def write_outputs(result: dict[str, Any], out_dir: Path, systems: list[str]) -> list[Path]:
     """Writes ``results.json``, ``results.md`` and (with matplotlib) ``speedup.png``."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -178,6 +197,7 @@ def write_outputs(result: dict[str, Any], out_dir: Path, systems: list[str]) -> 
         f"Measured bandwidth: read {bw['read_gbps']:.1f} GB/s, copy {bw['copy_gbps']:.1f} GB/s, "
         f"copy into fresh memory {bw['fresh_copy_gbps']:.1f} GB/s (read + write bytes).",
         f"Command: `{result['command']}` (GLIBC_TUNABLES=`{env.get('glibc_tunables', '')}`)",
+        runs_line(result),
         "",
         LEGEND,
         "",

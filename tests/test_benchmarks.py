@@ -82,6 +82,40 @@ def test_versus_best_peer_takes_the_fastest_agreeing_peer():
     np.testing.assert_allclose(v["geomean"], (2.0 * 0.5 * 1.3) ** (1 / 3))
 
 
+def test_timed_rounds_run_until_the_minimum_time_within_the_cap():
+    """``repeats`` rounds at least; more while the timed rounds took under
+    ``min_time_s``; never past ``max_repeats``; a peer past its budget stops early."""
+    import time
+
+    def sleeper(seconds):
+        return lambda: time.sleep(seconds) or np.ones(2, np.float32)
+
+    thunks = {"a": sleeper(0.002), "b": sleeper(0.001)}
+    exact, _ = measure.time_in_turns(thunks, repeats=2)
+    assert [t.runs for t in exact.values()] == [2, 2]
+    longer, _ = measure.time_in_turns(thunks, repeats=2, min_time_s=0.04, max_repeats=200)
+    runs = longer["a"].runs
+    assert longer["b"].runs == runs and 2 < runs < 200
+    # on until the time was spent (each round sleeps at least 3 ms), and no further
+    assert runs * (longer["a"].median_s + longer["b"].median_s) >= 0.8 * 0.04
+    assert (runs - 1) * 0.003 < 0.04
+    capped, _ = measure.time_in_turns(thunks, repeats=2, min_time_s=10.0, max_repeats=5)
+    assert [t.runs for t in capped.values()] == [5, 5]
+    slow = {"jaxcsr": sleeper(0.001), "peer": sleeper(0.02)}
+    timings, _ = measure.time_rounds(
+        slow,
+        {"jaxcsr": 0.001, "peer": 0.02},
+        repeats=1,
+        budget_s=0.05,
+        unbounded=("jaxcsr",),
+        min_time_s=0.1,
+        max_repeats=500,
+    )
+    assert timings["peer"].runs < timings["jaxcsr"].runs
+    with pytest.raises(ValueError, match="max_repeats"):
+        measure.time_in_turns(thunks, repeats=3, max_repeats=2)
+
+
 def test_relative_error_detects_mismatch():
     rng = np.random.default_rng(1)
     a = rng.uniform(-1, 1, (5, 3)).astype(np.float32)
@@ -296,7 +330,7 @@ def test_cpu_native_study(tmp_path):
     kinds = "segment,segment_sorted,segment_shuffled,spmm_T"
     argv = ["--graphs", "cora", "--kinds", kinds, "--features", "8"]
     argv += ["--dtypes", "float32,bfloat16", "--repeats", "1", "--out", str(tmp_path)]
-    result = cpu_native.main(argv)
+    result = cpu_native.main([*argv, "--min-time", "0"])
     assert len(result["rows"]) == 8
     for row in result["rows"]:  # every system agrees with the XLA path
         for system, diff in row["max_abs_diff_vs_xla_path"].items():

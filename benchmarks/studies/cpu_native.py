@@ -144,10 +144,12 @@ def _torch_dtype(torch, dtype):
     return {"float32": torch.float32, "bfloat16": torch.bfloat16}[np.dtype(dtype).name]
 
 
-def run_cell(kind, graph, f, dtype, repeats, copy_gbps, rng, torch) -> dict:
+def run_cell(kind, graph, f, dtype, repeats, copy_gbps, rng, torch, min_time_s=0.0) -> dict:
     thunks, floor = _systems(kind, graph, f, dtype, rng, torch)
+    # at least ``repeats`` rounds, more until they took ``min_time_s`` (at most 15x)
+    rounds = dict(repeats=repeats, min_time_s=min_time_s, max_repeats=15 * repeats)
     try:
-        timings, outs = time_in_turns(thunks, repeats)
+        timings, outs = time_in_turns(thunks, **rounds)
     except Exception as err:  # a peer without this dtype: time the others
         print(f"  {kind}: {err!r}; timing without failing systems", flush=True)
         for name in list(thunks):
@@ -155,10 +157,10 @@ def run_cell(kind, graph, f, dtype, repeats, copy_gbps, rng, torch) -> dict:
                 jax.block_until_ready(thunks[name]())
             except Exception:
                 del thunks[name]
-        timings, outs = time_in_turns(thunks, repeats)
+        timings, outs = time_in_turns(thunks, **rounds)
     # jaxcsr on all threads and on one, the two alone in turns: between the peers' calls
     # the pool's threads fall asleep and the operands leave the caches
-    alone, _ = time_in_turns({k: thunks[k] for k in ("jaxcsr", "jaxcsr_1_thread")}, repeats)
+    alone, _ = time_in_turns({k: thunks[k] for k in ("jaxcsr", "jaxcsr_1_thread")}, **rounds)
     ref = to_numpy(outs["jaxcsr_xla"]).astype(np.float64)
     scale = max(1.0, float(np.abs(ref).max()))
     row = {"kind": kind, "graph": graph.name, "features": f, "dtype": np.dtype(dtype).name}
@@ -187,8 +189,10 @@ def markdown(result: dict) -> str:
         f"### Native CPU backend vs peers ({result['threads']} threads; copy bandwidth "
         f"{bw['copy_gbps']:.1f} GB/s, read {bw['read_gbps']:.1f} GB/s, measured in the run)",
         "",
-        "ms are medians; `vs best peer` = best peer's time / jaxcsr's; `1 -> all threads` "
-        "= jaxcsr on one thread / on all, timed in turns with the peers; `alone` = the "
+        f"ms are medians of at least {result['repeats']} rounds, more until a timing's "
+        f"rounds took {result['min_time_s']:g} s (at most {15 * result['repeats']}); "
+        "`vs best peer` = best peer's time / jaxcsr's; `1 -> all threads` = jaxcsr on "
+        "one thread / on all, timed in turns with the peers; `alone` = the "
         "same two timed in turns by themselves; GB/s counts the floor's bytes.",
         "",
         "| product | graph | F | dtype | jaxcsr ms | 1 thread ms | xla path ms | best peer "
@@ -239,7 +243,14 @@ def main(argv=None) -> dict:
     p.add_argument("--kinds", default="segment,segment_sorted,segment_shuffled,spmm,spmm_T")
     p.add_argument("--features", default="1,16,64")
     p.add_argument("--dtypes", default="float32,bfloat16")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds at least")
+    p.add_argument(
+        "--min-time",
+        type=float,
+        default=1.0,
+        help="seconds of timed rounds per timing (in turns, and alone): more rounds "
+        "until they took this long, at most 15x --repeats",
+    )
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
     args = p.parse_args(argv)
     if not cpu.available():
@@ -259,7 +270,7 @@ def main(argv=None) -> dict:
                 for dtype in args.dtypes.split(","):
                     dt = jnp.bfloat16 if dtype == "bfloat16" else np.dtype(dtype)
                     row = run_cell(kind, graph, f, dt, args.repeats, bandwidth["copy_gbps"],
-                                   rng, torch)  # fmt: skip
+                                   rng, torch, args.min_time)  # fmt: skip
                     rows.append(row)
                     print(
                         f"{kind} {name} F={f} {dtype}: jaxcsr {row['ms']['jaxcsr']:.2f} ms, "
@@ -273,6 +284,8 @@ def main(argv=None) -> dict:
         "copy_by_threads": copy_by_threads,
         "dispatch_ms": dispatch_ms,
         "threads": os.cpu_count(),
+        "repeats": args.repeats,
+        "min_time_s": args.min_time,
         "rows": rows,
         "command": report.command_line("benchmarks.studies.cpu_native", argv),
     }
