@@ -566,7 +566,7 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
             return masked_sum(x, data, out, x_dot, data_dot)
         # A kernel's own search: the tangents at the (m, F) attaining columns, whose
         # transpose scatters m * F values (the mask's product and where pass n * F).
-        branches = {p: _at_columns(own[p].columns, s) for p in own}
+        branches = {p: _at_columns(own[p], s) for p in own}
         return jax.lax.platform_dependent(
             x, data, out, x_dot if x_live else None, data_dot if data_live else None,
             default=masked_sum, **branches,
@@ -582,12 +582,14 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
 @dataclasses.dataclass(frozen=True)
 class _Attaining:
     """The entries attaining a max/min: ``columns`` ``(m, F)`` of X (valid where
-    ``valid``), and ``weights(v)``, per-entry values ``v`` (the matrix data or its
-    tangent) taken there."""
+    ``valid``), ``weights(v)``, per-entry values ``v`` (the matrix data or its
+    tangent) taken there, and ``take(v)``, ``v (n, F)`` taken at the columns (by
+    default ``take_along_axis``, which JAX transposes into a scatter-add)."""
 
     columns: jax.Array
     valid: jax.Array
     weights: Any
+    take: Any = None
 
     def tangent(self, x, data, out, x_dot, data_dot) -> jax.Array:
         """``x_dot * data + x * data_dot`` at the attaining entries (a ``None``
@@ -595,7 +597,10 @@ class _Attaining:
         acc = accumulation_dtype(out.dtype)
         total = jnp.zeros(out.shape, acc)
         if x_dot is not None:
-            part = jnp.take_along_axis(x_dot, self.columns, axis=0).astype(acc)
+            if self.take is None:
+                part = jnp.take_along_axis(x_dot, self.columns, axis=0).astype(acc)
+            else:
+                part = self.take(x_dot).astype(acc)
             total = total + (part if data is None else part * self.weights(data).astype(acc))
         if data_dot is not None:
             part = jnp.take_along_axis(x, self.columns, axis=0).astype(acc)
@@ -603,20 +608,99 @@ class _Attaining:
         return jnp.where(self.valid, total, 0).astype(out.dtype)
 
 
-def _at_columns(columns_of, structure: Structure):
+def _at_columns(search: kernels.ArgSearch, structure: Structure):
     """One-per-column views: the max/min's tangent from the ``(m, F)`` columns that
-    ``columns_of`` finds (``n``: an empty row, tangent 0), ``x_dot[column] * data`` plus
-    ``x[column] * data_dot`` at each."""
+    ``search`` finds (``n``: an empty row, tangent 0), ``x_dot[column] * data`` plus
+    ``x[column] * data_dot`` at each; its transpose is the search's ``put_attaining``."""
 
     def tangent(x, data, out, x_dot, data_dot):
         n = x.shape[0]
-        columns = jax.lax.stop_gradient(columns_of(x, data, structure, out))
-        valid = columns < n
-        columns = jnp.minimum(columns, n - 1)
-        at = _Attaining(columns, valid, lambda values: structure.column_values(values)[columns])
+        found = jax.lax.stop_gradient(search.columns(x, data, structure, out))
+        valid = found < n
+        columns = jnp.minimum(found, n - 1)
+        rows = structure.column_rows()
+        at = _Attaining(
+            columns,
+            valid,
+            lambda values: structure.column_values(values)[columns],
+            lambda values: take_attaining(values, found, rows, put=search.put_attaining),
+        )
         return at.tangent(x, data, out, x_dot, data_dot)
 
     return tangent
+
+
+# ---------------------------------------------------------- taken at the attaining
+take_attaining_p = Primitive("take_attaining")
+"""``(m, F)``: ``x[columns[r, f], f]`` where ``columns[r, f] < n``, else 0, for the
+columns attaining a max/min of a one-per-column view (:func:`take_attaining`). Linear
+in ``x``. Its transpose puts each row's cotangent at its attaining column in one pass
+over ``(n, F)``: column ``k`` of row ``rows[k]`` receives ``ct[rows[k], f]`` where
+``columns[rows[k], f] == k`` -- no zeros written first, no scatter (the transpose of
+``take_along_axis``: an ``(n, F)`` zero array, then a serial scatter of ``m * F``
+values). That pass is the static param ``put``, the search's backend's
+:attr:`ArgSearch.put_attaining <jaxcsr.kernels.ArgSearch>` (native on CPU)."""
+
+
+def take_attaining(x: jax.Array, columns: jax.Array, rows: jax.Array, *, put) -> jax.Array:
+    """:data:`take_attaining_p`: ``x (n, F)`` at ``columns (m, F)`` (``n``: none), for a
+    view whose column ``k`` lies in row ``rows[k]`` alone (``m``: in none). ``put`` is
+    its transpose (:attr:`ArgSearch.put_attaining <jaxcsr.kernels.ArgSearch>`)."""
+    return take_attaining_p.bind(x, columns, rows, put=put)
+
+
+def _take_attaining(x, columns, rows, *, put):
+    del rows, put
+    n = x.shape[0]
+    taken = jnp.take_along_axis(x, jnp.minimum(columns, n - 1), axis=0)
+    return jnp.where(columns < n, taken, jnp.zeros((), x.dtype))
+
+
+@take_attaining_p.def_abstract_eval
+def _take_attaining_abstract_eval(x, columns, rows, *, put):
+    del rows, put
+    return ShapedArray((columns.shape[0], x.shape[1]), x.dtype)
+
+
+def _take_attaining_jvp(primals, tangents, *, put):
+    x, columns, rows = primals
+    out = take_attaining_p.bind(x, columns, rows, put=put)
+    if type(tangents[0]) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    return out, take_attaining_p.bind(tangents[0], columns, rows, put=put)
+
+
+def _take_attaining_transpose(ct, x, columns, rows, *, put):
+    if ad.is_undefined_primal(columns) or ad.is_undefined_primal(rows):
+        raise ValueError("take_attaining is linear in x only")
+    if type(ct) is ad.Zero:
+        return [ad.Zero(x.aval), None, None]
+    return [put(ct, columns, rows).astype(x.aval.dtype), None, None]
+
+
+def _take_attaining_batch(args, dims, *, put):
+    """The batch joins the features: ``x (n, B, F) -> (n, B * F)``, the columns alike;
+    rows that differ per element run one element at a time."""
+    x, columns, rows = args
+    x_bd, columns_bd, rows_bd = dims
+    if rows_bd is not None:
+        return map_over_batch(functools.partial(take_attaining, put=put), args, dims), 0
+    size = x.shape[x_bd] if x_bd is not None else columns.shape[columns_bd]
+
+    def fold(v, bd):  # (k, F) batched at bd -> (k, size * F)
+        v = jnp.broadcast_to(v[:, None], (v.shape[0], size, v.shape[1])) if bd is None else (
+            jnp.moveaxis(v, bd, 1))  # fmt: skip
+        return v.reshape(v.shape[0], -1)
+
+    out = take_attaining(fold(x, x_bd), fold(columns, columns_bd), rows, put=put)
+    return out.reshape(out.shape[0], size, -1), 1
+
+
+def_jitted_impl(take_attaining_p)
+mlir.register_lowering(take_attaining_p, mlir.lower_fun(_take_attaining, multiple_results=False))
+ad.primitive_jvps[take_attaining_p] = _take_attaining_jvp
+ad.primitive_transposes[take_attaining_p] = _take_attaining_transpose
+batching.primitive_batchers[take_attaining_p] = _take_attaining_batch
 
 
 ad.primitive_jvps[csr_matmul_p] = _jvp

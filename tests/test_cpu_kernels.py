@@ -573,6 +573,56 @@ def test_native_arg_search_threads_agree(rng, kind):
         np.testing.assert_array_equal(*grads)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_max_min_gradients_put_ct_at_the_attaining_columns(rng, dtype):
+    """A from_indices max/min gradient ends in the native put (``ct`` at the attaining
+    columns, one pass: no zero array, no scatter) and equals the XLA path's bit for bit:
+    ties and NaNs, weighted ids, a hub row, widths within and past a vector; one thread
+    against all; under vmap; ids planned on the device with some outside the rows."""
+
+    def grad_of(A, reduce, impl, w):
+        def loss(x):
+            y = jaxcsr.matmul(A, x, reduce=reduce, impl=impl)
+            return (y.astype(jnp.float32) * w).sum()
+
+        return jax.grad(loss)
+
+    for kind in ("segment", "segment_weighted", "hub"):
+        A, _ = _matrix(rng, kind, m=300, k=9000)
+        for f, reduce in ((3, "max"), (19, "min"), (16, "max")):
+            x = _ties_and_nans(rng, (A.shape[1], f), dtype)
+            w = jnp.asarray(random_values(rng, (A.shape[0], f)), jnp.float32)
+            grad = jax.jit(grad_of(A, reduce, "cpu", w))
+            text = grad.lower(x).as_text()
+            assert "jaxcsr_cpu_put_attaining" in text
+            # (values in CSR order are put in column order by a scatter of nnz values)
+            assert A.data is not None or "scatter" not in text
+            got = np.asarray(grad(x))
+            np.testing.assert_array_equal(got, np.asarray(grad_of(A, reduce, "xla", w)(x)))
+            with cpu.threads(1):  # traced inside the block
+                one = jax.jit(grad_of(A, reduce, "cpu", w))
+                assert "max_threads = 1" in one.lower(x).as_text()
+                np.testing.assert_array_equal(np.asarray(one(x)), got)
+        xs = jnp.stack([x, -x])
+        batched = jax.vmap(grad_of(A, "max", "cpu", w))(xs)
+        for i in range(2):
+            want = grad_of(A, "max", "xla", w)(xs[i])
+            np.testing.assert_array_equal(np.asarray(batched[i]), np.asarray(want))
+    ids = power_law_ids(rng, 5000, 300)
+    ids[rng.random(5000) < 0.1] = 303  # outside the rows: dropped, no gradient
+    x = _ties_and_nans(rng, (5000, 19), dtype)
+    w = jnp.asarray(random_values(rng, (300, 19)), jnp.float32)
+
+    def traced(i, x, impl):
+        y = jaxcsr.segment_max(x, i, 300, impl=impl)
+        return (y.astype(jnp.float32) * w).sum()
+
+    got = jax.jit(jax.grad(traced, argnums=1), static_argnums=2)(jnp.asarray(ids), x, "cpu")
+    want = jax.jit(jax.grad(traced, argnums=1), static_argnums=2)(jnp.asarray(ids), x, "xla")
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert not np.asarray(got, np.float32)[ids == 303].any()
+
+
 def test_native_arg_search_refuses_a_corrupted_row_pointer():
     """The search kernel's own guard: a row pointer past the entries is an error."""
     call = jax.ffi.ffi_call("jaxcsr_cpu_arg_search", jax.ShapeDtypeStruct((3, 2), jnp.int32))

@@ -55,11 +55,16 @@ class ArgSearch:
       positions: ``(m, F)`` CSR positions, sentinel ``nnz`` for empty rows.
       columns: ``(m, F)`` columns, sentinel ``n`` for empty rows.
       column_mask: one-per-column views: ``(n, F)`` bool, True at each row's winner.
+      put_attaining: one-per-column views, ``(ct, columns, rows) -> (n, F)``: the
+        transpose of taking ``x`` at the ``(m, F)`` attaining ``columns`` (``n``: none),
+        ``ct[rows[k]]`` where ``columns[rows[k]] == k``, else 0 (``rows``: the row of
+        each column, ``m`` for none); the max/min gradient's last step.
     """
 
     positions: Callable[..., jax.Array]
     columns: Callable[..., jax.Array]
     column_mask: Callable[..., jax.Array]
+    put_attaining: Callable[..., jax.Array]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -212,7 +217,12 @@ register(
         xla.describe,
         xla.covers,
         sddmm=xla.sddmm,
-        arg_search=ArgSearch(xla.extreme_positions, xla.extreme_columns, xla.extreme_column_mask),
+        arg_search=ArgSearch(
+            xla.extreme_positions,
+            xla.extreme_columns,
+            xla.extreme_column_mask,
+            xla.put_attaining,
+        ),
         device_plan=xla.plan,
     )
 )
@@ -251,7 +261,9 @@ register(
         cpu.describe,
         available=cpu.available,
         sddmm=cpu.sddmm,
-        arg_search=ArgSearch(cpu.arg_positions, cpu.arg_columns, xla.extreme_column_mask),
+        arg_search=ArgSearch(
+            cpu.arg_positions, cpu.arg_columns, xla.extreme_column_mask, cpu.put_attaining
+        ),
         softmax=cpu.softmax,
         device_plan=cpu.plan,
         feature_major=True,

@@ -24,6 +24,10 @@ thread count: results are bit-identical for any number of threads.
     :func:`arg_positions`, :func:`arg_columns`): by rows over the threads for general
     views; for one-per-column views over the columns in input order, in pieces
     combined by their minimum (or one piece with its features split over threads).
+``put_attaining``
+    The max/min gradient of ``from_indices`` views (the transpose of
+    :func:`jaxcsr.ops.take_attaining`): ``ct[ids[k]]`` where column ``k`` attains its
+    row's output, else 0, in one pass.
 ``gather``
     One entry per row (the backward of a segment sum, ``y[i] = data_i * x[ids[i]]``):
     rows copied in their dtype, split over threads.
@@ -75,6 +79,7 @@ __all__ = [
     "library_path",
     "plan",
     "product",
+    "put_attaining",
     "reads_transposed_data",
     "sddmm",
     "softmax",
@@ -87,6 +92,7 @@ _TARGETS = {
     "jaxcsr_cpu_push": "JaxcsrRowPush",
     "jaxcsr_cpu_sddmm": "JaxcsrSddmm",
     "jaxcsr_cpu_gather": "JaxcsrGather",
+    "jaxcsr_cpu_put_attaining": "JaxcsrPutAttaining",
     "jaxcsr_cpu_softmax": "JaxcsrSoftmax",
 }
 _MAX_THREADS = 0
@@ -347,3 +353,17 @@ def arg_columns(x, data, view: Structure, out) -> jax.Array:
     position = arg_positions(x, data, view, out)
     columns = jnp.append(view.view_indices().astype(jnp.int32), jnp.int32(view.shape[1]))
     return columns[position]
+
+
+def put_attaining(ct, columns, rows) -> jax.Array:
+    """Backend entry (:class:`~jaxcsr.kernels.ArgSearch`): the max/min gradient's
+    ``(n, F)`` put of ``ct`` at the attaining columns of a one-per-column view, in one
+    pass over the threads (values copied as bits: 2- and 4-byte dtypes); the
+    fallback's for other dtypes."""
+    if not available() or jnp.dtype(ct.dtype).itemsize not in (2, 4):
+        return xla.put_attaining(ct, columns, rows)
+    out = jax.ShapeDtypeStruct((rows.shape[0], ct.shape[1]), ct.dtype)
+    call = jax.ffi.ffi_call("jaxcsr_cpu_put_attaining", out, vmap_method="sequential")
+    return call(
+        rows.astype(jnp.int32), columns.astype(jnp.int32), ct, max_threads=np.int64(_MAX_THREADS)
+    )

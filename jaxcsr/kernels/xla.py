@@ -375,6 +375,17 @@ def extreme_column_mask(
     return (winner == jnp.arange(n, dtype=jnp.int32)[:, None]) & (rows < m)[:, None]
 
 
+def put_attaining(ct: jax.Array, columns: jax.Array, rows: jax.Array) -> jax.Array:
+    """One-per-column view: ``(n, F)``, ``ct[rows[k], f]`` where ``columns[rows[k], f]
+    == k``, else 0 (``rows``: each column's row, ``m`` for none; ``columns``: ``(m, F)``
+    attaining columns, ``n`` for none). One fused pass, no scatter."""
+    n, m = rows.shape[0], ct.shape[0]
+    row = jnp.minimum(rows, m - 1)
+    mine = jnp.arange(n, dtype=columns.dtype)[:, None]
+    hit = (rows < m)[:, None] & (columns[row] == mine)
+    return jnp.where(hit, ct[row], jnp.zeros((), ct.dtype))
+
+
 def _first_hit(values, target, rows, m, indices_are_sorted) -> jax.Array:
     """Smallest index ``k`` per (row, feature) with ``values[k] == target[k]``.
 

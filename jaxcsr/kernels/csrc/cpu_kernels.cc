@@ -1742,6 +1742,69 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::Any
                                 static_cast<Stores>(stores));
 }
 
+// ------------------------------------------------------------------ put at the attaining
+// The transpose of taking x (n, f) at the (m, f) columns attaining a max/min of a
+// one-per-column view (jaxcsr.ops.take_attaining): y[k, i] = ct[rows[k], i] where
+// columns[rows[k], i] == k, else 0 (rows[k] outside [0, m): a column in no row, 0).
+// One pass writing y, rows of entries split over the threads; copies of the values'
+// bits, so any dtype of their size.
+template <typename S>
+struct PutAttainingRows {
+  JAXCSR_INLINE static void run(const int32_t* rows, const int32_t* columns, const S* ct, S* y,
+                                int64_t m, int64_t f, int64_t k0, int64_t k1) {
+    for (int64_t k = k0; k < k1; ++k) {
+      const uint64_t r = static_cast<uint32_t>(rows[k]);
+      S* out = y + k * f;
+      if (r >= static_cast<uint64_t>(m)) {
+        std::fill(out, out + f, S{});
+        continue;
+      }
+      const int32_t* at = columns + r * f;
+      const S* from = ct + r * f;
+      const int32_t mine = static_cast<int32_t>(k);
+      for (int64_t i = 0; i < f; ++i) out[i] = at[i] == mine ? from[i] : S{};
+    }
+  }
+};
+
+template <typename S>
+void put_attaining(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* rows,
+                   const int32_t* columns, const S* ct, S* y, int64_t m, int64_t n, int64_t f) {
+  const int64_t threads = n * f < kSerialWork ? 1 : thread_count(pool, max_threads);
+  const int64_t chunks = chunk_count(n * f, threads, 4);
+  parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+    run_best<PutAttainingRows<S>>(rows, columns, ct, y, m, f, n * c / chunks,
+                                  n * (c + 1) / chunks);
+  });
+}
+
+// rows: (n,) the row of each column; columns: (m, f) int32 attaining columns; ct: (m, f);
+// y: (n, f) in ct's dtype (2 or 4 bytes).
+ffi::Error PutAttainingImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> rows,
+                            ffi::Buffer<ffi::S32> columns, ffi::AnyBuffer ct,
+                            ffi::Result<ffi::AnyBuffer> y, int64_t max_threads) {
+  auto cd = columns.dimensions(), td = ct.dimensions(), yd = y->dimensions();
+  const int64_t n = static_cast<int64_t>(rows.element_count());
+  if (cd.size() != 2 || td.size() != 2 || yd.size() != 2 || cd[0] != td[0] ||
+      cd[1] != td[1] || yd[0] != n || yd[1] != td[1] || ct.element_type() != y->element_type())
+    return ffi::Error::InvalidArgument("jaxcsr cpu: put_attaining shapes do not match");
+  const int64_t m = td[0], f = td[1];
+  switch (ffi::ByteWidth(ct.element_type())) {
+    case 4:
+      put_attaining(pool, max_threads, rows.typed_data(), columns.typed_data(),
+                    static_cast<const uint32_t*>(ct.untyped_data()),
+                    static_cast<uint32_t*>(y->untyped_data()), m, n, f);
+      return ffi::Error::Success();
+    case 2:
+      put_attaining(pool, max_threads, rows.typed_data(), columns.typed_data(),
+                    static_cast<const uint16_t*>(ct.untyped_data()),
+                    static_cast<uint16_t*>(y->untyped_data()), m, n, f);
+      return ffi::Error::Success();
+    default:
+      return ffi::Error::InvalidArgument("jaxcsr cpu: put_attaining takes 2- or 4-byte values");
+  }
+}
+
 // ------------------------------------------------------------------ softmax
 constexpr int64_t kRowBuffer = 8192;  // floats of exp(x - peak) kept per row (32 KiB)
 
@@ -2507,6 +2570,15 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrSoftmax, SoftmaxImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("max_threads")
                                   .Attr<int64_t>("rows"));
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrPutAttaining, PutAttainingImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("max_threads"));
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrGather, GatherImpl,
                               ffi::Ffi::Bind()
