@@ -28,7 +28,9 @@ The sum is bilinear in ``(X, data)``: its JVP binds the primitive on the tangent
 its transpose is the product with the transposed view (and an SDDMM for ``data``).
 Max and min are piecewise linear: their JVP takes the tangents at the entry that
 attains each output, so the gradient reaches the arg positions only. For at most one
-nonzero per column (``from_indices``) it is the masked sum ``A @ (mask * dX)``
+nonzero per column (``from_indices``) it is ``dX`` taken at the attaining columns
+(:func:`take_attaining`, a linear primitive whose transpose puts ``ct`` there in one
+pass) where a kernel has its own search, else the masked sum ``A @ (mask * dX)``
 (:func:`arg_search`'s ``column_mask``), transposed by the sum's own rule;
 otherwise a gather at its ``positions``, which JAX transposes into a scatter-add.
 """
@@ -564,8 +566,9 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
 
         if not own:
             return masked_sum(x, data, out, x_dot, data_dot)
-        # A kernel's own search: the tangents at the (m, F) attaining columns, whose
-        # transpose scatters m * F values (the mask's product and where pass n * F).
+        # A kernel's own search: the tangents at the (m, F) attaining columns
+        # (take_attaining), whose transpose writes the (n, F) gradient in one pass
+        # (the mask's product and where pass n * F twice).
         branches = {p: _at_columns(own[p], s) for p in own}
         return jax.lax.platform_dependent(
             x, data, out, x_dot if x_live else None, data_dot if data_live else None,
