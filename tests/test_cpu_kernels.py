@@ -621,6 +621,14 @@ def test_max_min_gradients_put_ct_at_the_attaining_columns(rng, dtype):
     want = jax.jit(jax.grad(traced, argnums=1), static_argnums=2)(jnp.asarray(ids), x, "xla")
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert not np.asarray(got, np.float32)[ids == 303].any()
+    # the put itself, native and the fallback's: rows outside [0, m), columns of none
+    rows = jnp.asarray(rng.integers(-2, 302, 5000), jnp.int32)
+    columns = jnp.asarray(rng.integers(0, 5001, (300, 19)), jnp.int32)
+    columns = columns.at[rows[rows < 300][:200], 3].set(jnp.arange(5000)[rows < 300][:200])
+    ct = jnp.asarray(random_values(rng, (300, 19))).astype(dtype)
+    native = np.asarray(jax.jit(cpu.put_attaining)(ct, columns, rows))
+    np.testing.assert_array_equal(native, np.asarray(jax.jit(xla.put_attaining)(ct, columns, rows)))
+    assert np.count_nonzero(native[:, 3]) >= 100  # ~146 rows set above (distinct of 200)
 
 
 def test_native_arg_search_refuses_a_corrupted_row_pointer():

@@ -380,9 +380,9 @@ def put_attaining(ct: jax.Array, columns: jax.Array, rows: jax.Array) -> jax.Arr
     == k``, else 0 (``rows``: each column's row, ``m`` for none; ``columns``: ``(m, F)``
     attaining columns, ``n`` for none). One fused pass, no scatter."""
     n, m = rows.shape[0], ct.shape[0]
-    row = jnp.minimum(rows, m - 1)
+    row = jnp.clip(rows, 0, m - 1)
     mine = jnp.arange(n, dtype=columns.dtype)[:, None]
-    hit = (rows < m)[:, None] & (columns[row] == mine)
+    hit = ((rows >= 0) & (rows < m))[:, None] & (columns[row] == mine)
     return jnp.where(hit, ct[row], jnp.zeros((), ct.dtype))
 
 
