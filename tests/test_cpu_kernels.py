@@ -908,7 +908,10 @@ for trial in range(4):
                         # the arg search: first columns (pieces), CSR positions (rows)
                         jaxcsr.matmul(A, v, reduce="max", return_arg=True),
                         jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce="min",
-                                      return_arg=True)):
+                                      return_arg=True),
+                        # the max's gradient: the search, then the put at its columns
+                        jax.grad(lambda v: jnp.sum(
+                            jaxcsr.matmul(A, v, reduce="max").astype(jnp.float32)))(v)):
                 jax.block_until_ready(out)
             if dtype != (np.float32, jnp.bfloat16, np.float16)[trial % 3]:
                 continue  # the rest on one dtype per trial (each jit is slow here)
