@@ -367,23 +367,25 @@ def extreme_column_mask(
     With it the max/min is ``A @ (mask * x)``, a sum whose transpose is a row gather:
     the gradient needs no scatter.
     """
-    m = out.shape[0]
-    n = x.shape[0]
     first = _first_column_hit(x, data, structure, out)
-    rows = structure.column_rows()
-    winner = first[jnp.minimum(rows, m - 1)]
-    return (winner == jnp.arange(n, dtype=jnp.int32)[:, None]) & (rows < m)[:, None]
+    return _attains(first, structure.column_rows())[0]
 
 
 def put_attaining(ct: jax.Array, columns: jax.Array, rows: jax.Array) -> jax.Array:
     """One-per-column view: ``(n, F)``, ``ct[rows[k], f]`` where ``columns[rows[k], f]
     == k``, else 0 (``rows``: each column's row, ``m`` for none; ``columns``: ``(m, F)``
     attaining columns, ``n`` for none). One fused pass, no scatter."""
-    n, m = rows.shape[0], ct.shape[0]
+    hit, row = _attains(columns, rows)
+    return jnp.where(hit, ct[row], jnp.zeros((), ct.dtype))
+
+
+def _attains(columns: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """``(n, F)`` bool: column ``k`` is its row's ``columns[rows[k]]`` (a row outside
+    ``[0, m)``: none), and the rows clipped into ``[0, m)``, for reading per-row arrays."""
+    n, m = rows.shape[0], columns.shape[0]
     row = jnp.clip(rows, 0, m - 1)
     mine = jnp.arange(n, dtype=columns.dtype)[:, None]
-    hit = ((rows >= 0) & (rows < m))[:, None] & (columns[row] == mine)
-    return jnp.where(hit, ct[row], jnp.zeros((), ct.dtype))
+    return ((rows >= 0) & (rows < m))[:, None] & (columns[row] == mine), row
 
 
 def _first_hit(values, target, rows, m, indices_are_sorted) -> jax.Array:

@@ -1020,15 +1020,12 @@ struct ArgPushEntries {
   using S = typename In::Storage;
   static constexpr bool kLanes = !std::is_same<In, F16>::value;
 
-  // data * x rounded to the operand dtype, eight lanes (entry_value's).
+  // data * x rounded to the operand dtype, eight lanes (entry_value's): stored and
+  // loaded back as store8 and load8 do it.
   JAXCSR_INLINE static f32x8 rounded8(f32x8 v) {
-    if constexpr (std::is_same<In, BF16>::value) {
-      const u32x8 bits = reinterpret_cast<u32x8>(v);
-      const u32x8 rounded = (bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16;
-      const u32x8 nan = (bits >> 16) | 0x40u;
-      return reinterpret_cast<f32x8>(((bits & 0x7fffffffu) > 0x7f800000u ? nan : rounded) << 16);
-    }
-    return v;
+    S stored[8];
+    store8<In>(stored, v, 8);
+    return load8<In>(stored, 8, 0.0f);
   }
 
   JAXCSR_INLINE static void run(const int32_t* ids, const S* data, const S* x, const S* out,
