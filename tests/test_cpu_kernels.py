@@ -869,6 +869,84 @@ def test_without_the_library_products_fall_back_with_one_warning(tmp_path):
     assert result.stdout.strip() == "ok"
 
 
+ISA_OUTPUTS = """
+import ctypes, sys
+import numpy as np, jax, jax.numpy as jnp
+import jaxcsr
+from jaxcsr.kernels import cpu
+assert cpu.available(), cpu.library_path()
+isa = ctypes.CDLL(str(cpu.library_path())).JaxcsrCpuIsa()
+rng = np.random.default_rng(int(sys.argv[2]))
+m, n, k = 37, 45, 3001
+ids = rng.integers(0, m, k)
+ids[: k // 2] = 5  # a hub
+rows, cols = rng.integers(0, m, k), rng.integers(0, n, k)
+outs = {}
+for dtype in (np.float32, jnp.bfloat16, np.float16):
+    name = np.dtype(dtype).name
+    G = jaxcsr.CSRMatrix.from_coo(rows, cols, rng.standard_normal(k).astype(np.float32),
+                                  shape=(m, n))
+    G = G.with_data(G.data.astype(dtype))
+    # 1 (eight lanes), 16 and 64 (whole vectors), 19 and 72 (loops past the vectors)
+    for f in (1, 16, 19, 64, 72):
+        for order, A in (("sorted", jaxcsr.CSRMatrix.from_indices(np.sort(ids), m)),
+                         ("unsorted", jaxcsr.CSRMatrix.from_indices(ids, m))):
+            v = jnp.asarray(rng.standard_normal((k, f)), dtype)
+            for reduce in ("sum", "max"):
+                outs[f"{name} {f} {order} {reduce}"] = jaxcsr.matmul(A, v, reduce=reduce)
+            y = jnp.asarray(rng.standard_normal((m, f)), dtype)
+            outs[f"{name} {f} {order} gather"] = A.T @ y
+            outs[f"{name} {f} {order} last axis"] = v.T @ A.T
+            outs[f"{name} {f} {order} max grad"] = jax.grad(
+                lambda v: jaxcsr.matmul(A, v, reduce="max").astype(jnp.float32).sum())(v)
+            outs[f"{name} {f} {order} softmax"] = jaxcsr.segment_softmax(
+                v, np.sort(ids) if order == "sorted" else ids, m)
+        x = jnp.asarray(rng.standard_normal((n, f)), dtype)
+        ct = jnp.asarray(rng.standard_normal((m, f)), dtype)
+        outs[f"{name} {f} general max"] = jaxcsr.matmul(G, x, reduce="max")
+        outs[f"{name} {f} general sum"] = G @ x
+        outs[f"{name} {f} general vjp"] = jax.vjp(lambda x, d: G.with_data(d) @ x, x, G.data)[1](ct)
+np.savez(sys.argv[1], isa=isa, **{k: np.asarray(jnp.asarray(v, jnp.float32))
+                                  for k, v in jax.tree_util.tree_leaves_with_path(outs)
+                                  for k in [jax.tree_util.keystr(k)]})
+print("ok")
+"""
+
+
+def test_instruction_sets_give_the_same_bits(tmp_path, rng):
+    """The loops compiled for the baseline, AVX2 and (where the CPU has it) AVX-512 give
+    the same bits: every product kind, 1-72 features (eight-lane code, whole vectors,
+    loops past them), three dtypes, run with ``JAXCSR_CPU_ISA`` capping the instruction
+    set, each run confirming the cap it ran under."""
+    seed = str(int(rng.integers(0, 2**31)))
+    results = {}
+    for cap in ("baseline", "avx2", ""):
+        env = {**os.environ, "JAXCSR_CPU_ISA": cap}
+        path = tmp_path / f"{cap or 'best'}.npz"
+        result = subprocess.run(
+            [sys.executable, "-c", ISA_OUTPUTS, str(path), seed], capture_output=True,
+            text=True, timeout=600, env=env,
+        )  # fmt: skip
+        assert result.returncode == 0, result.stderr[-3000:]
+        results[cap] = dict(np.load(path))
+    cpu_level = _cpu_isa_level()
+    for cap, level in (("baseline", 0), ("avx2", 1), ("", 2)):
+        assert int(results[cap].pop("isa")) == min(level, cpu_level), cap
+    assert len(results[""]) == 3 * 5 * (2 * 6 + 4)  # dtypes x widths x outputs
+    for cap in ("baseline", "avx2"):
+        assert results[cap].keys() == results[""].keys()
+        for key, value in results[""].items():
+            np.testing.assert_array_equal(results[cap][key], value, err_msg=f"{cap}: {key}")
+
+
+def _cpu_isa_level() -> int:
+    """2: the CPU has the AVX-512 subsets the kernels use, 1: AVX2, 0: neither."""
+    flags = set(Path("/proc/cpuinfo").read_text().split())
+    if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
+        return 2
+    return 1 if "avx2" in flags else 0
+
+
 SANITIZED = """
 import numpy as np, jax, jax.numpy as jnp
 import jaxcsr

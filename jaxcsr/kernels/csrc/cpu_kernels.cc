@@ -17,13 +17,14 @@
 // Every output row is reduced in one order fixed by the sizes, whatever the number of
 // threads or chunks: results are bit-identical for any thread count. Ids outside
 // [0, rows) belong to no row (they are dropped, as jax.ops drops them). Loops are
-// compiled for AVX2 and for the baseline (the softmax also for AVX-512) and chosen at
-// run time. Everything is checked in Python before the call; the checks here guard
-// memory.
+// compiled for AVX2 and for the baseline (some also for AVX-512: run_wide, the softmax)
+// and chosen at run time, the same bits on each. Everything is checked in Python before
+// the call; the checks here guard memory.
 
 #include <algorithm>
 #include <atomic>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -656,13 +657,27 @@ JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage
   }
 }
 
+// The widest instruction set the loops may use: 0 the baseline, 1 AVX2, 2 AVX-512;
+// JAXCSR_CPU_ISA=baseline or avx2 (read once) caps it below what the CPU has -- for the
+// tests that compare the builds' bits on one machine.
+int isa_cap() {
+  static const int cap = [] {
+    const char* isa = std::getenv("JAXCSR_CPU_ISA");
+    if (isa && std::strcmp(isa, "baseline") == 0) return 0;
+    if (isa && std::strcmp(isa, "avx2") == 0) return 1;
+    return 2;
+  }();
+  return cap;
+}
+
 bool has_avx2() {
-  static const bool yes = __builtin_cpu_supports("avx2");
+  static const bool yes = isa_cap() >= 1 && __builtin_cpu_supports("avx2");
   return yes;
 }
 
-// Every loop body compiled twice, for AVX2 and for the baseline, chosen at run time:
-// Body::run (always inlined) takes on the instruction set of its caller here.
+// Every loop body compiled for AVX2 and for the baseline (some also for AVX-512:
+// run_wide), chosen at run time: Body::run (always inlined) takes on the instruction set
+// of its caller here.
 template <typename Body, typename... Args>
 __attribute__((target("avx2"))) void run_avx2(Args&&... args) {
   Body::run(std::forward<Args>(args)...);
@@ -684,7 +699,7 @@ void run_best(Args&&... args) {
 
 // The AVX-512 build of a body (the softmax's sixteen-lane exp), where the CPU has it.
 bool has_avx512() {
-  static const bool yes = __builtin_cpu_supports("avx512f") &&
+  static const bool yes = isa_cap() >= 2 && __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512bw") &&
                           __builtin_cpu_supports("avx512dq") &&
                           __builtin_cpu_supports("avx512vl");
@@ -694,6 +709,30 @@ bool has_avx512() {
 template <typename Body, typename... Args>
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) void run_avx512(Args&&... args) {
   Body::run(std::forward<Args>(args)...);
+}
+
+// A body compiled a third time, for AVX-512, and run that way where the CPU has it:
+// for the loops the compiler vectorises itself (sixteen lanes there, the same operations
+// per value: the same bits), where it measured faster. Tolokers, 2 threads, one process,
+// the two builds in turns (same bits asserted), AVX2 -> AVX-512:
+// - PullRows, the loop of rows past 64 features (sorted ids, F = 256): max 50.8 -> 23.3
+//   ms bfloat16, 43.6 -> 35.0 float32; sum bfloat16 26.6 -> 21.4 (float32 the same);
+//   rows of 8-64 features and one feature (their own eight-lane code) the same;
+// - PutAttainingRows (the max gradient's put): its max gradient, bfloat16 F = 64, 53.2
+//   -> 37.4 ms (float32 1.03x);
+// - GatherRows (the row gather through the caches): 7.19 -> 6.64 ms float32 F = 16,
+//   26.6 -> 24.1 F = 64, bfloat16 F = 64 14.0 -> 13.0;
+// - PushRows past 64 features (push_rows): max F = 256 51.0 -> 43.7 ms bfloat16, 74.1 ->
+//   69.2 float32 (sum the same; rows of 8-64 features 0.97-0.99x, so they stay AVX2).
+// The SDDMM measured slower (float32 F = 16 1.99 -> 2.41 ms), the softmax and the arg
+// searches the same: they stay run_best.
+template <typename Body, typename... Args>
+void run_wide(Args&&... args) {
+  if (has_avx512()) {
+    run_avx512<Body>(std::forward<Args>(args)...);
+  } else {
+    run_best<Body>(std::forward<Args>(args)...);
+  }
 }
 
 template <typename In, typename Out, typename Op>
@@ -724,6 +763,20 @@ struct PushRows {
     push_rows_body<In, Out, Op, 0>(ids, data, x, acc, m, stride, width, k0, k1);
   }
 };
+
+// PushRows over entries [k0, k1): AVX2 where its vector bodies run (rows of 8-64
+// features), else the AVX-512 build where the CPU has it (run_wide).
+template <typename In, typename Out, typename Op>
+void push_rows(const int32_t* ids, const typename In::Storage* data,
+               const typename In::Storage* x, float* acc, int64_t m, int64_t stride,
+               int64_t width, int64_t k0, int64_t k1) {
+  constexpr bool vector_bodies = !std::is_same<In, F16>::value && std::is_same<In, Out>::value;
+  if (vector_bodies && (width == 8 || width == 16 || width == 32 || width == 64)) {
+    run_best<PushRows<In, Out, Op>>(ids, data, x, acc, m, stride, width, k0, k1);
+  } else {
+    run_wide<PushRows<In, Out, Op>>(ids, data, x, acc, m, stride, width, k0, k1);
+  }
+}
 
 // values[j] = data[perm[j]] for entries [j0, j1) (the values of a planned transpose,
 // read in its CSR order); a position outside [0, nnz) sets ``bad`` and reads 0.
@@ -762,7 +815,7 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                              values = permuted.get();
                            }
                            std::vector<float> acc(f);
-                           run_best<PullRows<In, Out, Op>>(indptr, cols, values, x, y, f, lo,
+                           run_wide<PullRows<In, Out, Op>>(indptr, cols, values, x, y, f, lo,
                                                            hi, acc.data(),
                                                            static_cast<uint64_t>(n), bad);
                          });
@@ -836,13 +889,12 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   float* first = direct ? reinterpret_cast<float*>(y) : partials.get();
   if (pieces > 1) {
     parallel_chunks(pool, pieces, threads, [&](int64_t p) {
-      run_best<PushRows<In, Out, Op>>(ids, data, x, first + p * rows * f, rows, f, f,
-                                      entries * p / pieces, entries * (p + 1) / pieces);
+      push_rows<In, Out, Op>(ids, data, x, first + p * rows * f, rows, f, f,
+                             entries * p / pieces, entries * (p + 1) / pieces);
     });
   } else {
     over_feature_blocks<typename In::Storage>(pool, threads, f, [&](int64_t c0, int64_t c1) {
-      run_best<PushRows<In, Out, Op>>(ids, data, x + c0, first + c0, rows, f, c1 - c0, 0,
-                                      entries);
+      push_rows<In, Out, Op>(ids, data, x + c0, first + c0, rows, f, c1 - c0, 0, entries);
     });
   }
   if (direct) return;
@@ -1712,7 +1764,7 @@ struct GatherKernel {
       return ffi::Error::Success();
     }
     parallel_chunks(pool, chunks, threads, [&](int64_t c) {
-      run_best<GatherRows<In, Out>>(
+      run_wide<GatherRows<In, Out>>(
           cols, static_cast<const typename In::Storage*>(data),
           static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(y),
           n, f, rows * c / chunks, rows * (c + 1) / chunks);
@@ -1770,7 +1822,7 @@ void put_attaining(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* ro
   const int64_t threads = n * f < kSerialWork ? 1 : thread_count(pool, max_threads);
   const int64_t chunks = chunk_count(n * f, threads, 4);
   parallel_chunks(pool, chunks, threads, [&](int64_t c) {
-    run_best<PutAttainingRows<S>>(rows, columns, ct, y, m, f, n * c / chunks,
+    run_wide<PutAttainingRows<S>>(rows, columns, ct, y, m, f, n * c / chunks,
                                   n * (c + 1) / chunks);
   });
 }
@@ -2530,6 +2582,9 @@ auto pull_binding() {
 }
 
 }  // namespace
+
+// The instruction set the loops run with: 0 the baseline, 1 AVX2, 2 AVX-512 (for tests).
+extern "C" int JaxcsrCpuIsa() { return has_avx512() ? 2 : has_avx2() ? 1 : 0; }
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrCsrPull, CsrPullImpl, pull_binding());
 
