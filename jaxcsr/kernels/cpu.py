@@ -46,7 +46,11 @@ thread count: results are bit-identical for any number of threads.
     float32 input in [-110, 90], checked exhaustively).
 
 Products of fewer than 2^17 elements run on the calling thread alone (a gathered
-value counts twice).
+value counts twice). The loops run their AVX2 build (the baseline's on CPUs without
+it), four of them (the pull's and the push's loops over rows without their own vector
+code, the row gather, the put) their AVX-512 build where the CPU has it: the same bits
+on each. ``JAXCSR_CPU_ISA=baseline``
+or ``avx2``, read once, caps the instruction set (the tests compare the builds).
 
 Float64 and integers run on the XLA path (:mod:`jaxcsr.kernels.xla`). The backend plans
 nothing beyond the portable core. Without the library (no compiler at

@@ -697,7 +697,8 @@ void run_best(Args&&... args) {
   }
 }
 
-// The AVX-512 build of a body (the softmax's sixteen-lane exp), where the CPU has it.
+// The AVX-512 build of a body (run_wide's, the softmax's sixteen-lane exp), where the CPU
+// has it.
 bool has_avx512() {
   static const bool yes = isa_cap() >= 2 && __builtin_cpu_supports("avx512f") &&
                           __builtin_cpu_supports("avx512bw") &&
@@ -717,7 +718,8 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) void run_avx512(Ar
 // the two builds in turns (same bits asserted), AVX2 -> AVX-512:
 // - PullRows, the loop of rows past 64 features (sorted ids, F = 256): max 50.8 -> 23.3
 //   ms bfloat16, 43.6 -> 35.0 float32; sum bfloat16 26.6 -> 21.4 (float32 the same);
-//   rows of 8-64 features and one feature (their own eight-lane code) the same;
+//   rows with their own eight-lane code the same or slower (one feature, musae-github
+//   bfloat16: 0.289 -> 0.336 ms), so they stay AVX2 (pull_rows);
 // - PutAttainingRows (the max gradient's put): its max gradient, bfloat16 F = 64, 53.2
 //   -> 37.4 ms (float32 1.03x);
 // - GatherRows (the row gather through the caches): 7.19 -> 6.64 ms float32 F = 16,
@@ -778,6 +780,24 @@ void push_rows(const int32_t* ids, const typename In::Storage* data,
   }
 }
 
+// PullRows over rows [lo, hi): AVX2 where it runs its own vector code (one feature;
+// rows of 8-64 features and gathered rows past 64 in blocks, float32 or bfloat16 in and
+// out), else -- the loop the compiler vectorises -- the AVX-512 build where the CPU has
+// it (run_wide).
+template <typename In, typename Out, typename Op>
+void pull_rows(const int32_t* indptr, const int32_t* cols, const typename In::Storage* data,
+               const typename In::Storage* x, typename Out::Storage* y, int64_t f, int64_t lo,
+               int64_t hi, float* acc, uint64_t n, bool& bad) {
+  constexpr bool vector_bodies = !std::is_same<In, F16>::value && std::is_same<In, Out>::value;
+  const bool own_code = f == 1 || (vector_bodies && (f == 8 || f == 16 || f == 32 || f == 64 ||
+                                                     (cols && f > 64 && f % 8 == 0)));
+  if (own_code) {
+    run_best<PullRows<In, Out, Op>>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
+  } else {
+    run_wide<PullRows<In, Out, Op>>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
+  }
+}
+
 // values[j] = data[perm[j]] for entries [j0, j1) (the values of a planned transpose,
 // read in its CSR order); a position outside [0, nnz) sets ``bad`` and reads 0.
 template <typename S>
@@ -815,9 +835,8 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                              values = permuted.get();
                            }
                            std::vector<float> acc(f);
-                           run_wide<PullRows<In, Out, Op>>(indptr, cols, values, x, y, f, lo,
-                                                           hi, acc.data(),
-                                                           static_cast<uint64_t>(n), bad);
+                           pull_rows<In, Out, Op>(indptr, cols, values, x, y, f, lo, hi,
+                                                  acc.data(), static_cast<uint64_t>(n), bad);
                          });
 }
 
