@@ -906,9 +906,9 @@ for dtype in (np.float32, jnp.bfloat16, np.float16):
         outs[f"{name} {f} general max"] = jaxcsr.matmul(G, x, reduce="max")
         outs[f"{name} {f} general sum"] = G @ x
         outs[f"{name} {f} general vjp"] = jax.vjp(lambda x, d: G.with_data(d) @ x, x, G.data)[1](ct)
-np.savez(sys.argv[1], isa=isa, **{k: np.asarray(jnp.asarray(v, jnp.float32))
-                                  for k, v in jax.tree_util.tree_leaves_with_path(outs)
-                                  for k in [jax.tree_util.keystr(k)]})
+leaves = jax.tree_util.tree_leaves_with_path(outs)  # the VJP's pair: two leaves
+np.savez(sys.argv[1], isa=isa, **{jax.tree_util.keystr(path): np.asarray(v, np.float32)
+                                  for path, v in leaves})
 print("ok")
 """
 
