@@ -766,14 +766,22 @@ struct PushRows {
   }
 };
 
+// Whether rows of f features take a body's whole-vector code (float32 or bfloat16 in and
+// out, 8-64 features: the switches of PushRows::run and pull_rows_body) rather than the
+// loop over features the compiler vectorises.
+template <typename In, typename Out>
+constexpr bool whole_vector_rows(int64_t f) {
+  return !std::is_same<In, F16>::value && std::is_same<In, Out>::value &&
+         (f == 8 || f == 16 || f == 32 || f == 64);
+}
+
 // PushRows over entries [k0, k1): AVX2 where its vector bodies run (rows of 8-64
 // features), else the AVX-512 build where the CPU has it (run_wide).
 template <typename In, typename Out, typename Op>
 void push_rows(const int32_t* ids, const typename In::Storage* data,
                const typename In::Storage* x, float* acc, int64_t m, int64_t stride,
                int64_t width, int64_t k0, int64_t k1) {
-  constexpr bool vector_bodies = !std::is_same<In, F16>::value && std::is_same<In, Out>::value;
-  if (vector_bodies && (width == 8 || width == 16 || width == 32 || width == 64)) {
+  if (whole_vector_rows<In, Out>(width)) {
     run_best<PushRows<In, Out, Op>>(ids, data, x, acc, m, stride, width, k0, k1);
   } else {
     run_wide<PushRows<In, Out, Op>>(ids, data, x, acc, m, stride, width, k0, k1);
@@ -789,8 +797,8 @@ void pull_rows(const int32_t* indptr, const int32_t* cols, const typename In::St
                const typename In::Storage* x, typename Out::Storage* y, int64_t f, int64_t lo,
                int64_t hi, float* acc, uint64_t n, bool& bad) {
   constexpr bool vector_bodies = !std::is_same<In, F16>::value && std::is_same<In, Out>::value;
-  const bool own_code = f == 1 || (vector_bodies && (f == 8 || f == 16 || f == 32 || f == 64 ||
-                                                     (cols && f > 64 && f % 8 == 0)));
+  const bool own_code = f == 1 || whole_vector_rows<In, Out>(f) ||
+                        (vector_bodies && cols && f > 64 && f % 8 == 0);  // pull_rows_blocks
   if (own_code) {
     run_best<PullRows<In, Out, Op>>(indptr, cols, data, x, y, f, lo, hi, acc, n, bad);
   } else {
