@@ -422,7 +422,8 @@ def backend_for(
     A view the backend does not cover (one entry per row, for the Pallas kernels)
     runs on the fallback. An explicit ``impl`` runs where its plan is present (the
     caller checked); an explicit backend this jax cannot run raises. ``impl=None``
-    runs the platform's kernel when the matrix carries its plan, the dtypes suit it
+    runs the platform's kernel when the matrix carries its plan, the dtypes suit it,
+    the backend is the default for the view (:attr:`~jaxcsr.kernels.Backend.default_for`)
     and this jax ships what the kernel is written in (else one warning per process),
     and the fallback otherwise.
     """
@@ -440,7 +441,7 @@ def backend_for(
     if not backend.available():
         backend.warn_unavailable()
         return kernels.fallback()
-    if backend.supports(x_dtype, data_dtype) and backend.covers(view):
+    if backend.supports(x_dtype, data_dtype) and backend.covers(view) and backend.default_for(view):
         return backend
     return kernels.fallback()
 

@@ -19,9 +19,16 @@ GPU_INTERPRET = jax.default_backend() != "gpu"
 elsewhere."""
 
 
+TPU_INTERPRET = jax.default_backend() != "tpu"
+"""``interpret`` for ``impl="pallas_tpu"`` in tests: compiled Mosaic on a TPU machine
+(``benchmarks/hardware/tpu_session.sh`` runs the kernel tests there), interpret mode
+elsewhere."""
+
+
 def interpret_for(impl: str) -> bool:
-    """``interpret`` for a kernel backend in tests: the TPU kernel always interprets."""
-    return GPU_INTERPRET if impl == "pallas_gpu" else True
+    """``interpret`` for a kernel backend in tests: compiled on its own platform,
+    interpret mode elsewhere."""
+    return {"pallas_gpu": GPU_INTERPRET, "pallas_tpu": TPU_INTERPRET}.get(impl, True)
 
 
 def random_values(rng: np.random.Generator, shape, dtype=np.float32) -> np.ndarray:

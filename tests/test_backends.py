@@ -113,7 +113,7 @@ def test_kernel_plans_are_held_only_when_asked_for(rng):
     assert "pallas_tpu" not in info.backends
     general = CSRMatrix.from_dense(np.arange(1.0, 13.0).reshape(3, 4), backends=ALL)
     names = set(general.plan_info().arrays)
-    assert {"pallas_gpu.t_lanes.row", "pallas_tpu.t_tiles.first", "core.t_perm"} <= names
+    assert {"pallas_gpu.t_lanes.row", "pallas_tpu.t_tiles.span", "core.t_perm"} <= names
     assert "core.row_of_col" not in names
 
 

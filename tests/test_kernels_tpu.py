@@ -1,4 +1,5 @@
-"""The Pallas TPU (Mosaic) kernel: TPU-interpreter correctness on CPU, TPU lowering."""
+"""The Pallas TPU (Mosaic) kernel: correctness (compiled on a TPU, interpreted elsewhere),
+its schedule, and its lowering for TPU."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from jax import export
 from jax.experimental.pallas import tpu as pltpu
 from reference import (
     ALL,
+    TPU_INTERPRET,
     assert_close,
     assert_kernel_grads,
     power_law_ids,
@@ -18,26 +20,43 @@ from reference import (
 )
 
 import jaxcsr
-from jaxcsr import CSRMatrix, plan
+from jaxcsr import CSRMatrix, device_plan, plan
 from jaxcsr.kernels import tpu
 
+SMALL = tpu.Tiling(block_k=256, window=16, block_m=64)
+"""Tiles small enough that a test's structure needs many blocks, several windows per
+block and several output tiles."""
 
-def tpu_matmul(A, x):
-    return jaxcsr.matmul(A, x, impl="pallas_tpu", interpret=True)
+
+def tpu_matmul(A, x, **kw):
+    return jaxcsr.matmul(A, x, impl="pallas_tpu", interpret=TPU_INTERPRET, **kw)
 
 
-def _skewed_ids(rng, size, num_rows):
-    """One row holds half the nonzeros; rows past 2 * BLOCK_M are all empty."""
-    idx = rng.integers(0, min(num_rows, 2 * tpu.BLOCK_M), size)
+def _skewed_ids(rng, size, num_rows, busy_rows):
+    """One row holds half the nonzeros; rows at or past ``busy_rows`` are all empty."""
+    idx = rng.integers(0, min(num_rows, busy_rows), size)
     idx[: size // 2] = 3
     return rng.permutation(idx)
+
+
+def _kernel_sum(values, indptr, num_rows, tiling, interpret=TPU_INTERPRET, **kw):
+    schedule = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, tiling))
+    rows = tpu._padded_rows(tpu._host_rows(indptr), tiling.block_k, np)
+    return tpu.spmm(
+        jnp.asarray(values),
+        jnp.asarray(rows),
+        schedule,
+        num_rows=num_rows,
+        interpret=interpret,
+        **kw,
+    )
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 @pytest.mark.parametrize("n_features", [3, 130])
 def test_segment_sum_skewed_rows_and_empty_tiles(rng, dtype, n_features):
-    num_rows = 3 * tpu.BLOCK_M + 5  # last output tiles have no nonzeros, odd size
-    idx = _skewed_ids(rng, 700, num_rows)
+    num_rows = 2 * tpu.MAX_BLOCK_M + 5  # three output tiles, the last without nonzeros
+    idx = _skewed_ids(rng, 700, num_rows, tpu.MAX_BLOCK_M + 40)
     A = CSRMatrix.from_indices(idx, num_rows=num_rows, backends=ALL)
     v = random_values(rng, (700, n_features)).astype(dtype)
     out = tpu_matmul(A, jnp.asarray(v))
@@ -47,20 +66,11 @@ def test_segment_sum_skewed_rows_and_empty_tiles(rng, dtype, n_features):
     assert_close(out, expected, dtype)
 
 
-@pytest.mark.parametrize("dtype,precision", [(jnp.float32, True), (jnp.bfloat16, False)])
-def test_mxu_precision_by_dtype(dtype, precision):
-    """float32 tiles ask the MXU for HIGHEST precision (no bf16 truncation, which the
-    CPU interpreter could not show); bfloat16 runs natively."""
-    ints = (jnp.zeros(1, jnp.int32), jnp.zeros(1, jnp.int32), jnp.ones(1, jnp.int32))
-    schedule = tpu.TileSchedule(*ints, tpu.BLOCK_M, tpu.BLOCK_K)
-    jaxpr = jax.make_jaxpr(lambda v: tpu.spmm(v, jnp.zeros(4, jnp.int32), schedule, num_rows=4))
-    text = str(jaxpr(jnp.ones((4, 2), dtype)))
-    assert ("precision=(Precision.HIGHEST" in text) == precision
-
-
-def test_float32_values_to_float32_tolerance(rng):
+def test_float32_values_keep_all_24_bits(rng):
+    """float32 goes through the MXU as three bfloat16 parts: values that differ from 1
+    below bfloat16's 8 bits still sum to float32 accuracy (one part would not)."""
     idx = power_law_ids(rng, 500, 40)
-    v = (1.0 + rng.uniform(0, 1e-3, (500, 4))).astype(np.float32)  # bf16 would lose these
+    v = (1.0 + rng.uniform(0, 1e-3, (500, 4))).astype(np.float32)
     out = tpu_matmul(CSRMatrix.from_indices(idx, num_rows=40, backends=ALL), jnp.asarray(v))
     expected = np.zeros((40, 4))
     np.add.at(expected, idx, v.astype(np.float64))
@@ -77,47 +87,56 @@ def test_general_matrix_with_values(rng, kind):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
-@pytest.mark.parametrize("interpret", [True, pltpu.InterpretParams()], ids=["pallas", "tpu"])
-def test_kernel_under_both_interpreters(rng, dtype, interpret):
-    """The kernel itself under the generic and the TPU interpreter (TPU semantics):
-    skewed rows, empty output tiles, rows not a multiple of BLOCK_M, odd features."""
-    num_rows = 2 * tpu.BLOCK_M + 9
-    idx = np.sort(_skewed_ids(rng, 300, num_rows))
+@pytest.mark.parametrize(
+    "interpret",
+    [TPU_INTERPRET, pltpu.InterpretParams() if TPU_INTERPRET else False],
+    ids=["pallas", "tpu"],
+)
+def test_small_tiles_many_windows_under_both_interpreters(rng, dtype, interpret):
+    """The kernel itself with tiles far smaller than a structure's rows: blocks that
+    need several windows (the later ones clamped to the tile's end), several output
+    tiles, empty tiles, rows not a multiple of anything, odd features; sums and
+    max/min (bit for bit against numpy) under the generic and the TPU interpreter."""
+    num_rows = 5 * SMALL.block_m + 9
+    idx = np.sort(_skewed_ids(rng, 900, num_rows, 3 * SMALL.block_m))
     indptr, _ = plan.segment_ids_to_csr(idx, num_rows)
-    schedule = jax.tree.map(jnp.asarray, tpu.plan_tile_schedule(indptr))
-    vals = random_values(rng, (300, 3)).astype(dtype)
-    out = tpu.spmm(
-        jnp.asarray(vals),
-        jnp.asarray(idx, jnp.int32),
-        schedule,
-        num_rows=num_rows,
-        interpret=interpret,
-    )
+    assert tpu.plan_schedule(indptr, SMALL).num_steps > -(-900 // SMALL.block_k) + 5
+    vals = random_values(rng, (900, 3)).astype(dtype)
+    out = _kernel_sum(vals, indptr, num_rows, SMALL, interpret)
     expected = np.zeros((num_rows, 3))
     np.add.at(expected, idx, vals.astype(np.float64))
     assert_close(out, expected, dtype)
+    wide = vals.astype(np.float32)
+    for reduce, ufunc, identity in (("max", np.maximum, -np.inf), ("min", np.minimum, np.inf)):
+        got = _kernel_sum(vals, indptr, num_rows, SMALL, interpret, reduce=reduce, chunk=128)
+        want = np.full((num_rows, 3), identity, np.float32)
+        ufunc.at(want, idx, wide)
+        np.testing.assert_array_equal(np.asarray(got), want)
 
 
 def test_grads_through_the_kernel(rng):
     assert_kernel_grads(tpu_matmul, rng, 13, 9)
 
 
-def test_schedule_covers_every_output_tile():
-    indptr = np.array([0, 0, 0, 300, 300, 301, 301, 301, 301, 301, 600])
-    s = tpu.plan_tile_schedule(indptr, block_m=4, block_k=128)
-    # 3 output tiles + 5 nonzero tiles = 8 slots; the last is padding (first == PAD)
-    np.testing.assert_array_equal(s.out_tile, [0, 0, 0, 1, 2, 2, 2, 2])
-    np.testing.assert_array_equal(s.nnz_tile, [0, 1, 2, 2, 2, 3, 4, 4])
-    np.testing.assert_array_equal(s.first, [1, 0, 0, 1, 1, 0, 0, tpu.PAD])
-    assert s.num_steps == 7
-    empty = tpu.plan_tile_schedule(np.zeros(10, np.int64), block_m=4, block_k=128)
-    np.testing.assert_array_equal(empty.out_tile, [0, 1, 2, 2])  # zero tiles still written
-    np.testing.assert_array_equal(empty.first, [1, 1, 1, tpu.PAD])
+def _coverage(schedule: tpu.Schedule, indptr: np.ndarray) -> np.ndarray:
+    """How many steps count each nonzero (decoded from the packed step arrays)."""
+    t = schedule.tiling
+    nnz = int(indptr[-1])
+    rows = tpu._host_rows(indptr)
+    seen = np.zeros(nnz, int)
+    for b, word, span in zip(schedule.block, schedule.tile, schedule.span, strict=True):
+        if word & tpu.SKIP:
+            continue
+        tile, start, lo = word >> 2, span & 0xFFFF, span >> 16
+        block = np.arange(b * t.block_k, min((b + 1) * t.block_k, nnz))
+        local = rows[block] - tile * t.block_m
+        seen[block[(local >= lo) & (local >= start) & (local < start + t.window)]] += 1
+    return seen
 
 
-def test_schedule_length_depends_on_shape_and_nnz_only(rng):
+def test_schedule_counts_every_nonzero_once_and_its_length_depends_on_shape_only(rng):
     """Structures with the same (m, nnz) and different row-length distributions get
-    schedules of one length (one compilation), each covering every nonzero once."""
+    schedules of one length (one compilation), each counting every nonzero once."""
     m, nnz = 300, 2000
     lengths = set()
     for ids in (
@@ -125,19 +144,44 @@ def test_schedule_length_depends_on_shape_and_nnz_only(rng):
         power_law_ids(rng, nnz, m),  # skewed rows
         np.zeros(nnz, int),  # one row holds everything
         np.arange(nnz) % 7,  # a few rows, many empty tiles
+        rng.integers(0, m, nnz) // 16 * 16,  # every 16th row: sparse spans
     ):
         indptr, _ = plan.segment_ids_to_csr(np.asarray(ids), m)
-        s = tpu.plan_tile_schedule(indptr, block_m=8, block_k=128)
-        lengths.add(s.out_tile.size)
-        real = s.first != tpu.PAD
-        assert np.all(real[: s.num_steps]) and not np.any(real[s.num_steps :])
-        rows = np.repeat(np.arange(m), np.diff(indptr))
-        seen = np.zeros(nnz, int)
-        for t, k in zip(s.out_tile[real], s.nnz_tile[real], strict=True):
-            block = np.arange(k * 128, min((k + 1) * 128, nnz))
-            seen[block[(rows[block] >= t * 8) & (rows[block] < (t + 1) * 8)]] += 1
-        np.testing.assert_array_equal(seen, 1)
-    assert lengths == {tpu.schedule_capacity(m, nnz, 8, 128)}
+        s = tpu.plan_schedule(indptr, SMALL)
+        lengths.add(s.block.size)
+        np.testing.assert_array_equal(_coverage(s, indptr), 1)
+        skip = (s.tile & tpu.SKIP) != 0
+        first = (s.tile & tpu.FIRST) != 0
+        tiles = s.tile >> 2
+        # every tile gets its FIRST step before any other, in order
+        np.testing.assert_array_equal(tiles[first], np.arange(-(-m // SMALL.block_m)))
+        assert np.all(np.diff(tiles) >= 0)
+        assert not np.any(skip[: s.num_steps] & ~first[: s.num_steps])
+    assert lengths == {tpu.schedule_capacity(m, nnz, SMALL)}
+
+
+def test_device_schedule_equals_the_host_schedule(rng):
+    for ids, m in ((power_law_ids(rng, 3000, 700), 700), (np.zeros(0, int), 5)):
+        indptr, _ = plan.segment_ids_to_csr(np.asarray(ids), m)
+        nnz = int(indptr[-1])
+        for tiling in (SMALL, None):
+            host = tpu.plan_schedule(indptr, tiling)
+            device = jax.jit(lambda p, t=tiling, n=nnz: tpu.plan_schedule_on_device(p, n, t))(
+                jnp.asarray(indptr, jnp.int32)
+            )
+            assert host.tiling == device.tiling
+            for name in ("block", "tile", "span"):
+                np.testing.assert_array_equal(getattr(host, name), getattr(device, name))
+
+
+def test_tiling_depends_on_rows_and_nnz_only():
+    assert tpu.choose_tiling(11_758, 1_038_000) == tpu.Tiling(2048, 128, 1024)
+    sparse = tpu.choose_tiling(2_708, 10_556)  # Cora: 4 nonzeros a row
+    assert sparse.window >= 128 and sparse.block_k <= 2048
+    tiny = tpu.choose_tiling(5, 3)
+    assert tiny.block_m == 8 and tiny.window == 8
+    with pytest.raises(ValueError, match="multiples"):
+        tpu.Tiling(100, 8, 8)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -146,6 +190,7 @@ def test_lowers_to_mosaic_for_tpu(dtype):
     B = CSRMatrix.from_dense(np.arange(1.0, 41.0).reshape(5, 8), backends=ALL)  # general
     for f in (
         jax.jit(lambda v: A @ v),  # impl=None picks the kernel on TPU
+        jax.jit(lambda v: jaxcsr.matmul(A, v, reduce="max")),
         # the backward of a general matrix is the kernel on the planned transpose
         jax.jit(jax.grad(lambda v: jnp.sum(B.with_data(B.data.astype(v.dtype)) @ v))),
     ):
@@ -156,6 +201,26 @@ def test_lowers_to_mosaic_for_tpu(dtype):
     assert "tpu_custom_call" not in text.mlir_module()
 
 
+def test_traced_unsorted_ids_default_to_xla_sorted_ones_to_the_kernel():
+    """On TPU, ``impl=None`` runs XLA's scatter for unsorted traced ids (a sort and a
+    gather per call cost more there) and the kernel for sorted ones; ``impl=`` forces it."""
+    v = jax.ShapeDtypeStruct((64, 16), jnp.float32)
+    ids = jax.ShapeDtypeStruct((64,), jnp.int32)
+
+    def lowered(impl=None, **kw):
+        def f(v, i):
+            A = CSRMatrix.from_indices(i, 9, backends=ALL, **kw)
+            return jaxcsr.matmul(A, v, impl=impl)
+
+        return export.export(jax.jit(f), platforms=["tpu"])(v, ids).mlir_module()
+
+    assert "tpu_custom_call" not in lowered()
+    assert "tpu_custom_call" in lowered(indices_are_sorted=True)
+    assert "tpu_custom_call" in lowered(impl="pallas_tpu")
+    structure = device_plan.segment_structure(jnp.zeros(64, jnp.int32), 9)
+    assert not tpu.default_for(structure) and tpu.covers(structure)
+
+
 def test_schedule_stats_for_docs():
     """The command behind docs/tpu.md's schedule table runs on any machine."""
     from benchmarks.hardware.on_tpu import schedule_stats
@@ -163,22 +228,20 @@ def test_schedule_stats_for_docs():
     rows = schedule_stats()
     assert len(rows) == 4
     for row in rows:
-        ratio = float(row.split("|")[6])
-        assert ratio >= 1.0  # never fewer steps than ceil(nnz / BLOCK_K)
+        assert float(row.split("|")[-2]) >= 1.0  # never fewer steps than blocks
 
 
 @pytest.mark.parametrize("n_features,reduce", [(32, "max"), (64, "min")])
 def test_tpu_kernel_keeps_nan_at_wide_features(rng, reduce, n_features):
-    """XLA:CPU's vectorised max over a (128, F >= 32) tile dropped a NaN in interpret
-    mode; the kernel now propagates NaN by an explicit count."""
+    """A NaN propagates to its row only, also through the MXU's selection (where
+    ``0 * NaN`` would spread it over the window)."""
     idx = power_law_ids(rng, 200, 9)
     x = random_values(rng, (200, n_features)).astype(np.float32)
     x[np.flatnonzero(idx == idx[0])[0], 5] = np.nan
     x[np.flatnonzero(idx == idx[-1])[-1], n_features - 1] = np.nan
+    x[np.flatnonzero(idx == idx[1])[0], 7] = -np.inf
     A = CSRMatrix.from_indices(idx, num_rows=9, backends=ALL)
-    out = np.asarray(
-        jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl="pallas_tpu", interpret=True)
-    )
+    out = np.asarray(tpu_matmul(A, jnp.asarray(x), reduce=reduce))
     xla = np.asarray(jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce, impl="xla"))
     assert np.isnan(out[idx[0], 5]) and np.isnan(out[idx[-1], n_features - 1])
     np.testing.assert_array_equal(out, xla)  # NaN where XLA has NaN, equal elsewhere

@@ -27,7 +27,7 @@ from jaxcsr import CSRMatrix, matmul
 
 
 def schedule_stats() -> list[str]:
-    """Markdown rows: TPU schedule length on each embedded graph (host plan only)."""
+    """Markdown rows: TPU kernel steps on each embedded graph (host plan only)."""
     from benchmarks.datasets import EMBEDDED
     from jaxcsr import plan
     from jaxcsr.kernels import tpu
@@ -36,13 +36,14 @@ def schedule_stats() -> list[str]:
     for name in EMBEDDED:
         g = load_graph(name)
         indptr, _ = plan.segment_ids_to_csr(g.dst, g.num_nodes)
-        seg = tpu.plan_tile_schedule(indptr).num_steps
-        adj = g.normalized_adjacency()
-        gcn = tpu.plan_tile_schedule(adj.indptr).num_steps
-        ideal = -(-g.num_edges // tpu.BLOCK_K)
+        schedule = tpu.plan_schedule(indptr)
+        t = schedule.tiling
+        blocks = -(-g.num_edges // t.block_k)
+        gcn = tpu.plan_schedule(g.normalized_adjacency().indptr).num_steps
         rows.append(
-            f"| {name} | {g.num_nodes:,} | {g.num_edges:,} | {ideal:,} | {seg:,} | "
-            f"{seg / ideal:.2f} | {gcn:,} |"
+            f"| {name} | {g.num_nodes:,} | {g.num_edges:,} | {t.block_k} / {t.window} | "
+            f"{blocks:,} | {schedule.num_steps:,} | {gcn:,} | "
+            f"{schedule.num_steps / blocks:.2f} |"
         )
     return rows
 

@@ -84,6 +84,9 @@ class Backend:
         :meth:`~jaxcsr.CSRMatrix.plan_info` (host-side; may read the view back).
       covers: ``view -> bool``: whether it runs that view (else the fallback does).
       available: whether this jax can run it (a Pallas backend may be missing).
+      default_for: ``view -> bool``: whether ``impl=None`` runs it on a view it covers
+        (else the fallback does; an explicit ``impl=`` still runs it), for views where
+        the fallback measures faster on the backend's platform.
       sddmm: ``(ct, x, view, *, out_dtype) -> (nnz,)``, the sampled product (the
         fallback's is used for every backend; ``None``: none of its own).
       arg_search: an :class:`ArgSearch`, run on this backend's platform (chosen when
@@ -119,6 +122,7 @@ class Backend:
     describe: Callable[[Structure, int | None], dict[str, str]]
     covers: Callable[[Structure], bool] = lambda view: True
     available: Callable[[], bool] = lambda: True
+    default_for: Callable[[Structure], bool] = lambda view: True
     sddmm: Callable[..., jax.Array] | None = None
     arg_search: ArgSearch | None = None
     softmax: Callable[..., jax.Array] | None = None
@@ -248,6 +252,7 @@ register(
         tpu.product,
         tpu.describe,
         tpu.covers,
+        default_for=tpu.default_for,
         device_plan=tpu.plan_on_device,
     )
 )

@@ -1,35 +1,51 @@
-"""Pallas TPU kernel (Mosaic): block-sparse CSR x dense product on the MXU.
+"""Pallas TPU kernel (Mosaic): CSR x dense products as one-hot MXU windows.
 
 TPUs have no fast random scatter, so the product is turned into a short list of dense
-tile products. The host plan (:func:`plan_tile_schedule`, in this module; a matrix
-carries it when built with ``backends=`` including ``"pallas_tpu"``) lists, for each
-output tile of ``BLOCK_M`` rows, the tiles of ``BLOCK_K`` consecutive nonzeros (CSR
-order) that cover its nonzero range. The schedule is scalar-prefetched; BlockSpec index
-maps read it to fetch the row ids and value tile of step ``s`` and to place output tile
-``out_tile[s]``. In the kernel a ``(BLOCK_M, BLOCK_K)`` one-hot tile is built from the
-row ids with an iota compare and ``onehot @ values`` accumulates on the MXU in float32.
-Grid: (feature blocks "parallel", schedule "arbitrary"); steps of one output tile are
-consecutive, the first zeroes the tile, and tiles without nonzeros get one step.
+one-hot products, each over many nonzeros. The nonzeros are streamed in CSR order in
+*blocks* of ``block_k`` (one grid step reads one block, or stays on it); the output is
+held in VMEM in *tiles* of ``block_m`` rows; and each step multiplies the block into a
+*window* of ``window`` consecutive output rows of the current tile, starting at any
+multiple of 8:
 
-``reduce="max"``/``"min"`` swaps the semiring in the same schedule: the MXU has no
-max, so the tile is reduced on the VPU, one output row at a time: column ``i`` of the
-transposed one-hot masks row ``i``'s nonzeros down the sublanes of the value tile, the
-values of other rows are replaced by the identity and a sublane reduction gives the
-row's partial max, combined into the output tile. That is
-``BLOCK_M`` masked reductions per step, about as many VPU operations as the one-hot
-product has MXU ones; the first step of a tile fills it with -inf/+inf (the caller
-zeroes empty rows).
+    out[tile][start : start + window] += onehot(window, block_k) @ values[block]
 
-The values are gathered into nonzero order by XLA before the kernel
-(``data[:, None] * x[indices]``; for a ``from_indices`` matrix that is the planned
-permutation): a row gather is what XLA already does well on TPU, and it keeps the
-kernel a pure dense tile loop.
+The one-hot is built in the kernel from the block's row ids (an iota compare). In CSR
+order a block of ``block_k`` nonzeros covers about ``block_k / mean degree`` rows, so
+on most graphs one window covers a whole block and the product takes about
+``nnz / block_k`` steps: per-step overhead and DMA latency are paid per block, not per
+128 nonzeros. Blocks whose rows do not fit one window get one step per window.
+
+The host plan (:func:`plan_schedule`, a :class:`Schedule`) lists the steps; it is
+scalar-prefetched, and BlockSpec index maps read it to fetch the block of step ``s``
+and to place its output tile. The tile sizes (:class:`Tiling`) are a function of the
+matrix's ``(rows, nnz)`` only (:func:`choose_tiling`), as is the schedule's length
+(:func:`schedule_capacity`), so matrices of equal shape and nnz share one compilation.
+
+Precision: bfloat16 values go to the MXU as they are. float32 values are split into
+three bfloat16 parts (``hi + mid + lo`` holds all 24 bits of the mantissa) and multiply
+the exact 0/1 one-hot in three MXU passes accumulating in float32, so a float32 sum is
+exact to float32 rounding at half the MXU work of ``Precision.HIGHEST``. A window
+whose result is not finite (an inf or NaN anywhere in the block spreads through
+``0 * inf``) is redone on the finite values, plus per-row counts of NaN, +inf and -inf
+(exact 0/1 products) that give the IEEE result.
+
+``reduce="max"``/``"min"`` uses the same schedule: a segmented scan along the block
+(``log2(block_k)`` shifted max/min steps, masked where the row id changes) leaves each
+row's maximum at its last nonzero of the block; a one-hot of those last positions
+selects them on the MXU (an exact selection, again in three parts for float32) and
+they are combined into the window. The scan is computed once per block.
+
+The values are put into CSR order by XLA before the kernel (``data[:, None] *
+x[indices]``; for a ``from_indices`` matrix, the planned permutation of the input-order
+values; none for sorted ids). The row id of every nonzero, which a product would
+otherwise derive on the device at every call, is planned with the schedule.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -39,122 +55,240 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jaxcsr.kernels.semiring import entry_values, zero_empty_rows
+from jaxcsr.kernels.semiring import column_values, entry_values
 from jaxcsr.structure import Structure
 
-BLOCK_M = 128
-"""Output rows per tile (a multiple of 8)."""
-BLOCK_K = 128
-"""Nonzeros per tile (a multiple of 128: the row-id block is ``(1, BLOCK_K)``)."""
+__all__ = [
+    "Schedule",
+    "Tiling",
+    "TpuPlan",
+    "choose_tiling",
+    "covers",
+    "default_for",
+    "describe",
+    "plan",
+    "plan_on_device",
+    "plan_schedule",
+    "plan_schedule_on_device",
+    "product",
+    "schedule_capacity",
+    "spmm",
+]
 
+SUBLANES = 8
+"""Window starts and tile heights are multiples of the TPU's 8 sublanes."""
+MAX_BLOCK_M = 1024
+"""Largest output tile (rows held in VMEM at once)."""
+VMEM_LIMIT_BYTES = 64 * 2**20
+"""Scoped VMEM the kernel may use (a v5e core has 128 MiB)."""
+EXTREME_CHUNK = 512
+"""Nonzeros per segmented scan and selection product of max/min inside a block."""
+MAX_BLOCK_ELEMENTS = 2**19
+"""Largest value block, ``block_k * block_n`` elements (2 MiB of float32)."""
 
-_REDUCERS = {
-    "max": (-jnp.inf, jnp.max, jnp.maximum),
-    "min": (jnp.inf, jnp.min, jnp.minimum),
-}
+# Per-step cost model behind choose_tiling, for a float32 operand of 128 features: a
+# fixed cost per grid step, and the larger of the block's DMA and its MXU work.
+_STEP_SECONDS = 0.35e-6
+_HBM_BYTES_PER_SECOND = 800e9
+_MXU_FLOPS_PER_SECOND = 197e12 / 3  # three bfloat16 passes per float32 product
+_BLOCK_KS = (256, 512, 1024, 2048)
+_WINDOWS = (128, 256)
 
 
 # ------------------------------------------------------------------ host plan
-FIRST, NEXT, PAD = 1, 0, 2
-"""Values of ``TileSchedule.first``: first step of an output tile (zero it), a later
-step, or a padding step that does nothing."""
+FIRST, SKIP = 1, 2
+"""Step flags: ``FIRST`` zeroes (or fills) the output tile; ``SKIP`` adds nothing (an
+output tile without nonzeros, or a padding step after the real ones)."""
+_FLAG_BITS = 2
+_LO_SHIFT = 16
 
 
 @dataclasses.dataclass(frozen=True)
-class TileSchedule:
-    """The (output-row tile, nonzero tile) pairs of the block-sparse TPU product.
+class Tiling:
+    """Static tile sizes of the kernel.
 
-    Step ``s`` multiplies nonzero tile ``nnz_tile[s]`` (``block_k`` consecutive
-    nonzeros in CSR order) into output tile ``out_tile[s]`` (``block_m`` rows).
-    Steps of one output tile are consecutive; ``first[s]`` is :data:`FIRST` on the
-    first (the accumulator is zeroed there), and every output tile has at least one
-    step, so tiles without nonzeros are written as zeros.
-
-    The arrays have :func:`schedule_capacity` steps -- a function of ``(m, nnz)``
-    only, so matrices of equal shape and nnz share one compilation; the steps after
-    the real ones are :data:`PAD` (they revisit the last tiles and add nothing).
+    Attributes:
+      block_k: nonzeros per block (a multiple of 128).
+      window: output rows one step's one-hot covers (a multiple of 8).
+      block_m: output rows per VMEM tile (a multiple of 8, at least ``window``).
     """
 
-    out_tile: Any
-    nnz_tile: Any
-    first: Any
-    block_m: int
     block_k: int
+    window: int
+    block_m: int
+
+    def __post_init__(self):
+        if self.block_k % 128 or self.window % SUBLANES or self.block_m % SUBLANES:
+            raise ValueError(f"tile sizes must be multiples of 128 / 8 / 8, got {self}")
+        if not 0 < self.window <= self.block_m < 2**_LO_SHIFT:
+            raise ValueError(f"need 0 < window <= block_m < 2**16, got {self}")
+
+
+def _round_up(x: int, to: int) -> int:
+    return -(-x // to) * to
+
+
+def choose_tiling(num_rows: int, nnz: int) -> Tiling:
+    """The tile sizes for a ``(num_rows, nnz)`` structure (a function of those only).
+
+    Picks the ``(block_k, window)`` pair with the lowest modelled time: steps times the
+    per-step cost, where a block of ``block_k`` nonzeros spans about ``block_k *
+    num_rows / nnz`` rows and takes one step per window it needs.
+    """
+    block_m = min(MAX_BLOCK_M, _round_up(max(num_rows, 1), SUBLANES))
+    rows_per_entry = num_rows / max(nnz, 1)
+    best = None
+    for block_k in _BLOCK_KS:
+        for window in _WINDOWS:
+            window = min(window, block_m)
+            blocks = max(1, -(-nnz // block_k))
+            span = block_k * rows_per_entry + SUBLANES
+            steps = blocks * math.ceil(min(span, block_m) / window)
+            dma = block_k * 128 * 4 / _HBM_BYTES_PER_SECOND
+            mxu = 2 * window * block_k * 128 / _MXU_FLOPS_PER_SECOND
+            cost = steps * (_STEP_SECONDS + max(dma, mxu))
+            if best is None or cost < best[0] - 1e-12:
+                best = (cost, Tiling(block_k, window, block_m))
+    return best[1]
+
+
+@dataclasses.dataclass(frozen=True)
+class Schedule:
+    """The steps of the windowed one-hot product.
+
+    Step ``s`` multiplies nonzero block ``block[s]`` into output tile ``tile[s] >> 2``
+    at tile-local rows ``[start, start + window)`` with ``start = span[s] & 0xffff``,
+    keeping only rows at or after ``span[s] >> 16`` (rows before it belong to the
+    previous window of the same block). ``tile[s] & 3`` holds the :data:`FIRST` and
+    :data:`SKIP` flags. Steps of one tile are consecutive and every tile has a step, so
+    tiles without nonzeros are written as zeros. The arrays have
+    :func:`schedule_capacity` steps; those after the real ones are ``SKIP`` steps on the
+    last block and tile (no new DMA).
+    """
+
+    block: Any
+    tile: Any
+    span: Any
+    tiling: Tiling
 
     @property
     def num_steps(self) -> int:
-        """Steps that do work (not :data:`PAD`); host arrays only."""
-        return int(np.sum(np.asarray(self.first) != PAD))
+        """Steps that do work (host arrays only)."""
+        return int(np.sum((np.asarray(self.tile) & SKIP) == 0))
 
 
 jax.tree_util.register_dataclass(
-    TileSchedule, data_fields=["out_tile", "nnz_tile", "first"], meta_fields=["block_m", "block_k"]
+    Schedule, data_fields=["block", "tile", "span"], meta_fields=["tiling"]
 )
 
 
-def schedule_capacity(num_rows: int, nnz: int, block_m: int, block_k: int) -> int:
+def schedule_capacity(num_rows: int, nnz: int, tiling: Tiling) -> int:
     """Upper bound on the steps of any ``(num_rows, nnz)`` structure.
 
-    Consecutive output tiles share at most one nonzero tile and an output tile with
-    no nonzeros takes one step, so ``#output tiles + #nonzero tiles`` steps suffice.
+    A tile and a block meet in at most ``tiles + blocks`` pairs; a pair whose rows span
+    ``[ra, rb]`` takes ``ceil((rb + 1 - floor8(ra)) / window)`` steps, and the spans of
+    one tile's pairs overlap in at most one row each, so the extra windows add up to at
+    most ``(tiles * block_m + 8 * pairs) / window``.
     """
-    return max(1, -(-num_rows // block_m)) + max(1, -(-nnz // block_k))
+    tiles = max(1, -(-num_rows // tiling.block_m))
+    blocks = max(1, -(-nnz // tiling.block_k))
+    pairs = tiles + blocks
+    return pairs + (tiles * tiling.block_m + SUBLANES * pairs) // tiling.window + 1
 
 
-def plan_tile_schedule(indptr: np.ndarray, block_m: int = 0, block_k: int = 0) -> TileSchedule:
-    """Covers each output tile's contiguous nonzero range with nonzero tiles (host).
-
-    Defaults: :data:`BLOCK_M` and :data:`BLOCK_K`.
-    """
-    block_m, block_k = block_m or BLOCK_M, block_k or BLOCK_K
-    indptr = np.asarray(indptr)
-    m = indptr.size - 1
-    nnz = int(indptr[-1])
-    num_out = max(1, -(-m // block_m))
-    bounds = np.minimum(np.arange(num_out + 1) * block_m, m)
-    start, end = indptr[bounds[:-1]].astype(np.int64), indptr[bounds[1:]].astype(np.int64)
-    k0 = start // block_k
-    k1 = np.where(end > start, -(-end // block_k), k0 + 1)  # empty tile: one step
-    counts = k1 - k0
-    out_tile = np.repeat(np.arange(num_out), counts)
-    first_pos = np.cumsum(counts) - counts
-    nnz_tile = k0[out_tile] + np.arange(out_tile.size) - first_pos[out_tile]
-    max_tile = max(0, -(-nnz // block_k) - 1)
-    nnz_tile = np.minimum(nnz_tile, max_tile)  # an empty matrix still has tile 0
-    capacity = schedule_capacity(m, nnz, block_m, block_k)
-    steps = out_tile.size
-    padded = [np.zeros(capacity, np.int32) for _ in range(3)]
-    padded[0][:steps], padded[0][steps:] = out_tile, out_tile[-1]
-    padded[1][:steps], padded[1][steps:] = nnz_tile, nnz_tile[-1]  # same block: no new DMA
-    padded[2][:steps], padded[2][steps:] = NEXT, PAD
-    padded[2][first_pos] = FIRST
-    return TileSchedule(*padded, block_m, block_k)
+def _pack(block, tile, flags, start, lo):
+    """The three step arrays of a :class:`Schedule` from its five per-step fields."""
+    return block, (tile << _FLAG_BITS) | flags, start | (lo << _LO_SHIFT)
 
 
-def plan_tile_schedule_on_device(
-    indptr: jax.Array, nnz: int, block_m: int = 0, block_k: int = 0
-) -> TileSchedule:
-    """:func:`plan_tile_schedule` in ``jnp`` (valid under a trace), for a structure of
-    ``nnz`` entries (static: the capacity depends on it); equal to the host's."""
-    block_m, block_k = block_m or BLOCK_M, block_k or BLOCK_K
+def plan_schedule(indptr: np.ndarray, tiling: Tiling | None = None) -> Schedule:
+    """The host schedule of a CSR row pointer (numpy); ``tiling`` defaults to
+    :func:`choose_tiling` of its shape."""
+    indptr = np.asarray(indptr, np.int64)
+    m, nnz = indptr.size - 1, int(indptr[-1])
+    t = choose_tiling(m, nnz) if tiling is None else tiling
+    bk, w, bm = t.block_k, t.window, t.block_m
+    num_tiles, num_blocks = max(1, -(-m // bm)), max(1, -(-nnz // bk))
+    bounds = np.minimum(np.arange(num_tiles + 1) * bm, m)
+    t_start, t_end = indptr[bounds[:-1]], indptr[bounds[1:]]
+    k0 = np.minimum(t_start // bk, num_blocks - 1)
+    pairs_per_tile = np.where(t_end > t_start, -(-t_end // bk) - k0, 1)
+    pair_tile = np.repeat(np.arange(num_tiles), pairs_per_tile)
+    pair_first = np.cumsum(pairs_per_tile) - pairs_per_tile
+    pair_block = k0[pair_tile] + np.arange(pair_tile.size) - pair_first[pair_tile]
+    e0 = np.maximum(t_start[pair_tile], pair_block * bk)
+    e1 = np.minimum(t_end[pair_tile], (pair_block + 1) * bk)
+    empty = e1 <= e0
+    base = pair_tile * bm
+    ra = np.searchsorted(indptr, e0, side="right") - 1 - base
+    rb = np.searchsorted(indptr, e1 - 1, side="right") - 1 - base
+    a0 = np.where(empty, 0, ra // SUBLANES * SUBLANES)
+    windows = np.where(empty, 1, -(-(rb + 1 - a0) // w))
+    step_pair = np.repeat(np.arange(pair_tile.size), windows)
+    step_first = np.cumsum(windows) - windows
+    lo = a0[step_pair] + (np.arange(step_pair.size) - step_first[step_pair]) * w
+    start = np.minimum(lo, bm - w)
+    tile = pair_tile[step_pair]
+    first_of_tile = np.ones(step_pair.size, bool)
+    first_of_tile[1:] = tile[1:] != tile[:-1]
+    flags = np.where(first_of_tile, FIRST, 0) | np.where(empty[step_pair], SKIP, 0)
+    capacity = schedule_capacity(m, nnz, t)
+    steps = step_pair.size
+    assert steps <= capacity, (steps, capacity)
+    out = [np.zeros(capacity, np.int32) for _ in range(5)]
+    for arr, vals, pad in zip(
+        out,
+        (pair_block[step_pair], tile, flags, start, lo),
+        (pair_block[-1], tile[-1], SKIP, start[-1], lo[-1]),
+        strict=True,
+    ):
+        arr[:steps], arr[steps:] = vals, pad
+    return Schedule(*_pack(*out), t)
+
+
+def plan_schedule_on_device(indptr: jax.Array, nnz: int, tiling: Tiling | None = None) -> Schedule:
+    """:func:`plan_schedule` in ``jnp`` (valid under a trace) for a structure of ``nnz``
+    entries (static: the tiling and capacity depend on it); equal to the host's."""
     m = indptr.shape[0] - 1
-    num_out = max(1, -(-m // block_m))
-    bounds = np.minimum(np.arange(num_out + 1) * block_m, m)
-    start, end = indptr[bounds[:-1]].astype(jnp.int32), indptr[bounds[1:]].astype(jnp.int32)
-    k0 = start // block_k
-    k1 = jnp.where(end > start, -(-end // block_k), k0 + 1)
-    counts = k1 - k0
-    steps_end = jnp.cumsum(counts)
-    capacity = schedule_capacity(m, nnz, block_m, block_k)
-    step = jnp.arange(capacity, dtype=jnp.int32)
-    steps = steps_end[-1]
-    last = jnp.minimum(step, steps - 1)  # padding steps repeat the last real step
-    out_tile = jnp.searchsorted(steps_end, last, side="right").astype(jnp.int32)
-    first_pos = steps_end - counts
-    nnz_tile = k0[out_tile] + last - first_pos[out_tile]
-    nnz_tile = jnp.minimum(nnz_tile, max(0, -(-nnz // block_k) - 1))
-    first = jnp.where(step < steps, jnp.where(step == first_pos[out_tile], FIRST, NEXT), PAD)
-    return TileSchedule(out_tile, nnz_tile, first.astype(jnp.int32), block_m, block_k)
+    t = choose_tiling(m, nnz) if tiling is None else tiling
+    bk, w, bm = t.block_k, t.window, t.block_m
+    num_tiles, num_blocks = max(1, -(-m // bm)), max(1, -(-nnz // bk))
+    indptr = indptr.astype(jnp.int32)
+    bounds = np.minimum(np.arange(num_tiles + 1) * bm, m)
+    t_start, t_end = indptr[bounds[:-1]], indptr[bounds[1:]]
+    k0 = jnp.minimum(t_start // bk, num_blocks - 1)
+    pairs_per_tile = jnp.where(t_end > t_start, -(-t_end // bk) - k0, 1)
+    pair_end = jnp.cumsum(pairs_per_tile)
+    num_pairs = pair_end[-1]
+    pair_cap = num_tiles + num_blocks
+    p = jnp.arange(pair_cap, dtype=jnp.int32)
+    pair_tile = jnp.minimum(jnp.searchsorted(pair_end, p, side="right"), num_tiles - 1)
+    pair_block = k0[pair_tile] + p - (pair_end - pairs_per_tile)[pair_tile]
+    e0 = jnp.maximum(t_start[pair_tile], pair_block * bk)
+    e1 = jnp.minimum(t_end[pair_tile], (pair_block + 1) * bk)
+    empty = e1 <= e0
+    base = pair_tile * bm
+    ra = jnp.searchsorted(indptr, e0, side="right") - 1 - base
+    rb = jnp.searchsorted(indptr, e1 - 1, side="right") - 1 - base
+    a0 = jnp.where(empty, 0, ra // SUBLANES * SUBLANES)
+    windows = jnp.where(empty, 1, -(-(rb + 1 - a0) // w))
+    windows = jnp.where(p < num_pairs, windows, 0)
+    step_end = jnp.cumsum(windows)
+    steps = step_end[-1]
+    capacity = schedule_capacity(m, nnz, t)
+    s = jnp.arange(capacity, dtype=jnp.int32)
+    last = jnp.minimum(s, steps - 1)  # padding steps repeat the last real step
+    step_pair = jnp.searchsorted(step_end, last, side="right").astype(jnp.int32)
+    lo = a0[step_pair] + (last - (step_end - windows)[step_pair]) * w
+    start = jnp.minimum(lo, bm - w)
+    tile = pair_tile[step_pair]
+    prev_tile = jnp.concatenate([jnp.full((1,), -1, tile.dtype), tile[:-1]])
+    real = s < steps
+    flags = jnp.where(real & (tile != prev_tile), FIRST, 0)
+    flags = flags | jnp.where(empty[step_pair] | ~real, SKIP, 0)
+    fields = (pair_block[step_pair], tile, flags, start, lo)
+    fields = tuple(f.astype(jnp.int32) for f in fields)
+    return Schedule(*_pack(*fields), t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,174 +296,368 @@ class TpuPlan:
     """What the Mosaic kernel reads beyond the portable core.
 
     Attributes:
-      tiles: tile schedule of the planned orientation ``C``.
-      t_tiles: schedule of ``C.T`` for ``"general"`` structures; ``None`` for the
-        ``"columns"`` kind, whose transpose is a row gather (run by XLA).
+      tiles: schedule of the planned orientation ``C``.
+      rows: ``(1, nnz_padded)`` int32 row of every nonzero of ``C`` in CSR order, -1
+        after the last (the one-hot's input; a product would derive it at every call).
+      t_tiles, t_rows: the same for ``C.T`` of ``"general"`` structures; ``None`` for
+        the ``"columns"`` kind, whose transpose is a row gather (run by XLA).
     """
 
-    tiles: TileSchedule
-    t_tiles: TileSchedule | None
+    tiles: Schedule
+    rows: Any
+    t_tiles: Schedule | None
+    t_rows: Any
 
 
-jax.tree_util.register_dataclass(TpuPlan, data_fields=["tiles", "t_tiles"], meta_fields=[])
+jax.tree_util.register_dataclass(
+    TpuPlan, data_fields=["tiles", "rows", "t_tiles", "t_rows"], meta_fields=[]
+)
+
+
+def _padded_rows(rows, block_k: int, xp):
+    (nnz,) = rows.shape
+    pad = max(1, -(-nnz // block_k)) * block_k - nnz
+    return xp.concatenate([rows.astype(xp.int32), xp.full((pad,), -1, xp.int32)])[None, :]
+
+
+def _host_rows(indptr: np.ndarray) -> np.ndarray:
+    indptr = np.asarray(indptr, np.int64)
+    return np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
 
 
 def plan(structure: Structure) -> TpuPlan:
     """The host plan for a host :class:`~jaxcsr.structure.Structure` (numpy leaves)."""
     indptr, t_indptr = structure.kernel_indptrs()
-    t_tiles = None if t_indptr is None else plan_tile_schedule(t_indptr)
-    return TpuPlan(plan_tile_schedule(indptr), t_tiles)
+    tiles = plan_schedule(indptr)
+    rows = _padded_rows(_host_rows(indptr), tiles.tiling.block_k, np)
+    if t_indptr is None:
+        return TpuPlan(tiles, rows, None, None)
+    t_tiles = plan_schedule(t_indptr)
+    t_rows = _padded_rows(_host_rows(t_indptr), t_tiles.tiling.block_k, np)
+    return TpuPlan(tiles, rows, t_tiles, t_rows)
 
 
 def plan_on_device(structure: Structure) -> TpuPlan:
-    """:func:`plan` for a structure planned on the device (traced ids)."""
+    """:func:`plan` for a structure planned on the device (traced ids). Entries of
+    dropped ids (after the last row) get row -1, as padding does."""
     indptr, t_indptr = structure.kernel_indptrs()
     nnz = structure.nnz
-    t_tiles = None if t_indptr is None else plan_tile_schedule_on_device(t_indptr, nnz)
-    return TpuPlan(plan_tile_schedule_on_device(indptr, nnz), t_tiles)
+
+    def rows_of(view: Structure, tiling: Tiling):
+        # row of entry k = number of rows r >= 1 with indptr[r] <= k: a scatter of one
+        # mark per row start and a cumulative sum (no scatter of nnz, slow on TPU)
+        indptr = view.view_indptr().astype(jnp.int32)
+        marks = jnp.zeros((nnz,), jnp.int32).at[indptr[1:]].add(1, mode="drop")
+        rows = jnp.cumsum(marks, dtype=jnp.int32)
+        stored = jnp.arange(nnz, dtype=jnp.int32) < indptr[-1]
+        return _padded_rows(jnp.where(stored, rows, -1), tiling.block_k, jnp)
+
+    tiles = plan_schedule_on_device(indptr, nnz)
+    plain = structure if not structure.transposed else structure.transpose()
+    rows = rows_of(plain, tiles.tiling)
+    if t_indptr is None:
+        return TpuPlan(tiles, rows, None, None)
+    t_tiles = plan_schedule_on_device(t_indptr, nnz)
+    return TpuPlan(tiles, rows, t_tiles, rows_of(plain.transpose(), t_tiles.tiling))
 
 
 # --------------------------------------------------------------------- kernel
-def _onehot(rows_ref, base, dtype):
-    """``(BLOCK_M, BLOCK_K)``: 1 where nonzero ``k`` belongs to output row ``base + i``."""
-    local = rows_ref[...] - base  # (1, BLOCK_K); padding is < 0
-    iota = lax.broadcasted_iota(jnp.int32, (BLOCK_M, BLOCK_K), 0)
-    return (iota == local).astype(dtype)
+def _step_fields(tile_ref, span_ref, s, tiling: Tiling):
+    word, span = tile_ref[s], span_ref[s]
+    start = pl.multiple_of(span & ((1 << _LO_SHIFT) - 1), SUBLANES)
+    return word >> _FLAG_BITS, word & ((1 << _FLAG_BITS) - 1), start, span >> _LO_SHIFT
 
 
-def _sum_kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *, precision):
-    del nnz_tile_ref
+def _onehot(rows, base, start, lo, window: int):
+    """``(window, block_k)`` bool: nonzero ``k`` belongs to tile row ``start + i``
+    (and that row is at or after ``lo``). Rows outside the tile never match."""
+    local = rows - base  # (1, block_k); padding is -1 - base < 0 <= lo
+    rel = jnp.where(local >= lo, local - start, -1)
+    return lax.broadcasted_iota(jnp.int32, (window, rows.shape[1]), 0) == rel
+
+
+def _parts(values: jax.Array, num_parts: int) -> tuple[jax.Array, ...]:
+    """bfloat16 parts whose float32 sum is ``values`` exactly: one for bfloat16 (or
+    float32 holding bfloat16 values), three for float32."""
+    if num_parts == 1:
+        return (values.astype(jnp.bfloat16),)
+    hi = values.astype(jnp.bfloat16)
+    rest = values - hi.astype(jnp.float32)
+    mid = rest.astype(jnp.bfloat16)
+    lo = (rest - mid.astype(jnp.float32)).astype(jnp.bfloat16)
+    return hi, mid, lo
+
+
+def _select(onehot: jax.Array, values: jax.Array, num_parts: int) -> jax.Array:
+    """``onehot @ values`` in float32 on the MXU, exact for a 0/1 ``onehot``: the sum of
+    the parts' products (:func:`_parts`)."""
+    hot = onehot.astype(jnp.bfloat16)
+    out = None
+    for part in _parts(values, num_parts):
+        term = jnp.dot(hot, part, preferred_element_type=jnp.float32)
+        out = term if out is None else out + term
+    return out
+
+
+def _non_finite_select(onehot: jax.Array, values: jax.Array, num_parts: int) -> jax.Array:
+    """:func:`_select` with IEEE results for inf/NaN (no ``0 * inf``): finite values
+    on the MXU, plus per-row counts of NaN, +inf and -inf."""
+    wide = values.astype(jnp.float32)  # Mosaic's isfinite takes float32 only
+    clean = jnp.where(jnp.isfinite(wide), wide, 0.0)
+    out = _select(onehot, clean, num_parts)
+    hot = onehot.astype(jnp.bfloat16)
+
+    def count(indicator):
+        return jnp.dot(hot, indicator.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+
+    nan = count(jnp.isnan(wide))
+    pos = count(wide == jnp.inf)
+    neg = count(wide == -jnp.inf)
+    odd = jnp.where(pos > 0, jnp.inf, 0.0) + jnp.where(neg > 0, -jnp.inf, 0.0)
+    return jnp.where(nan > 0, jnp.nan, out + odd)
+
+
+def _all_finite(x: jax.Array) -> jax.Array:
+    return jnp.max(jnp.where(jnp.isfinite(x), 0.0, 1.0)) == 0
+
+
+def _chunks(tiling: Tiling, chunk: int, body, init):
+    """``body(offset, carry)`` over the block's chunks of ``chunk`` nonzeros."""
+
+    def step(c, carry):
+        return body(pl.multiple_of(c * chunk, chunk), carry)
+
+    return lax.fori_loop(0, tiling.block_k // chunk, step, init)
+
+
+def _sum_kernel(
+    block_ref, tile_ref, span_ref, rows_ref, vals_ref, o_ref, *, tiling, chunk, num_parts
+):
+    del block_ref
     s = pl.program_id(1)
+    tile, flags, start, lo = _step_fields(tile_ref, span_ref, s, tiling)
+    base = tile * tiling.block_m
+    shape = (tiling.window, o_ref.shape[1])
 
-    @pl.when(first_ref[s] == FIRST)
+    @pl.when((flags & FIRST) != 0)
     def _zero():
         o_ref[...] = jnp.zeros_like(o_ref)
 
-    @pl.when(first_ref[s] != PAD)
+    def window_sum(select):
+        def body(offset, acc):
+            rows = rows_ref[:, pl.ds(offset, chunk)]
+            onehot = _onehot(rows, base, start, lo, tiling.window)
+            return acc + select(onehot, vals_ref[pl.ds(offset, chunk), :], num_parts)
+
+        return _chunks(tiling, chunk, body, jnp.zeros(shape, jnp.float32))
+
+    @pl.when((flags & SKIP) == 0)
     def _accumulate():
-        _sum_step(out_tile_ref[s], rows_ref, vals_ref, o_ref, precision)
+        window = pl.ds(start, tiling.window)
+        part = window_sum(_select)
+        # 0 * inf is NaN on the MXU: one inf/NaN anywhere in the block spreads over the
+        # window; such a window is redone with IEEE semantics
+        finite = _all_finite(part)
+
+        @pl.when(finite)
+        def _add():
+            o_ref[window, :] += part
+
+        @pl.when(jnp.logical_not(finite))
+        def _add_non_finite():
+            o_ref[window, :] += window_sum(_non_finite_select)
 
 
-def _sum_step(out_tile, rows_ref, vals_ref, o_ref, precision):
-    vals = vals_ref[...]
-    onehot = _onehot(rows_ref, out_tile * BLOCK_M, vals.dtype)
-    wide = vals.astype(jnp.float32)  # Mosaic's isfinite takes float32 only
-    finite = jnp.isfinite(wide)
-    # 0 * inf is NaN on the MXU: a one-hot product would spread one non-finite value
-    # over the whole tile. Finite values go through the MXU; a tile holding inf/NaN
-    # also counts, per row, its NaNs, +infs and -infs with 0/1 indicator products
-    # (exact) and adds the IEEE result of those: NaN, +inf, -inf or nothing.
-    clean = jnp.where(finite, vals, jnp.zeros_like(vals))
-    o_ref[...] += jnp.dot(onehot, clean, preferred_element_type=jnp.float32, precision=precision)
-
-    @pl.when(jnp.max(jnp.where(finite, 0.0, 1.0)) > 0)
-    def _non_finite():
-        hot = onehot.astype(jnp.float32)
-
-        def count(indicator):
-            return jnp.dot(hot, indicator.astype(jnp.float32), preferred_element_type=jnp.float32)
-
-        nan = count(jnp.isnan(wide))
-        pos = count(wide == jnp.inf)
-        neg = count(wide == -jnp.inf)
-        odd = jnp.where(pos > 0, jnp.inf, 0.0) + jnp.where(neg > 0, -jnp.inf, 0.0)
-        o_ref[...] += jnp.where(nan > 0, jnp.nan, odd)
+_REDUCERS = {"max": (-jnp.inf, jnp.maximum), "min": (jnp.inf, jnp.minimum)}
 
 
-def _extreme_kernel(out_tile_ref, nnz_tile_ref, first_ref, rows_ref, vals_ref, o_ref, *, reduce):
-    del nnz_tile_ref
+def _row_column(rows: jax.Array) -> jax.Array:
+    """``(1, n)`` int32 -> ``(n, 1)`` float32 (exact below 2**24 rows), by one XLU
+    transpose of a 128-sublane broadcast."""
+    wide = jnp.broadcast_to(rows.astype(jnp.float32), (128, rows.shape[1]))
+    return jnp.transpose(wide)[:, :1]
+
+
+def _segmented_scan(vals: jax.Array, col: jax.Array, combine) -> jax.Array:
+    """Inclusive scan of ``combine`` down ``vals``, restarting where the row id
+    (``col``, ``(n, 1)``) changes: each row's result ends up at its last entry."""
+    k = vals.shape[0]
+    pos = lax.broadcasted_iota(jnp.int32, (k, 1), 0)
+    shift = 1
+    while shift < k:
+        prev = pltpu.roll(vals, shift, 0)
+        same = (pltpu.roll(col, shift, 0) == col) & (pos >= shift)
+        vals = jnp.where(same, combine(vals, prev), vals)
+        shift *= 2
+    return vals
+
+
+def _extreme_kernel(
+    block_ref,
+    tile_ref,
+    span_ref,
+    rows_ref,
+    next_ref,
+    vals_ref,
+    o_ref,
+    scan_ref,
+    *,
+    tiling,
+    chunk,
+    num_parts,
+    reduce,
+):
     s = pl.program_id(1)
-    identity, reducer, combine = _REDUCERS[reduce]
+    identity, combine = _REDUCERS[reduce]
+    tile, flags, start, lo = _step_fields(tile_ref, span_ref, s, tiling)
+    base = tile * tiling.block_m
+    width = o_ref.shape[1]
 
-    @pl.when(first_ref[s] == FIRST)
+    @pl.when((s == 0) | (block_ref[s] != block_ref[jnp.maximum(s - 1, 0)]))
+    def _scan():
+        def body(offset, carry):
+            carry_row, carry_vals = carry
+            col = _row_column(rows_ref[:, pl.ds(offset, chunk)])
+            vals = vals_ref[pl.ds(offset, chunk), :].astype(jnp.float32)
+            vals = _segmented_scan(vals, col, combine)
+            # the previous chunk's last row continues here
+            vals = jnp.where(col == carry_row, combine(vals, carry_vals), vals)
+            scan_ref[pl.ds(offset, chunk), :] = vals
+            return col[chunk - 1 :, :], vals[chunk - 1 :, :]
+
+        init = (jnp.full((1, 1), -2.0, jnp.float32), jnp.zeros((1, width), jnp.float32))
+        _chunks(tiling, chunk, body, init)
+
+    @pl.when((flags & FIRST) != 0)
     def _fill():
         o_ref[...] = jnp.full(o_ref.shape, identity, o_ref.dtype)
 
-    @pl.when(first_ref[s] != PAD)
+    def picked(select):
+        def body(offset, carry):
+            acc, present = carry
+            rows = rows_ref[:, pl.ds(offset, chunk)]
+            onehot = _onehot(rows, base, start, lo, tiling.window)
+            lane = lax.broadcasted_iota(jnp.int32, rows.shape, 1) + offset
+            last = (next_ref[:, pl.ds(offset, chunk)] != rows) | (lane == tiling.block_k - 1)
+            pick = onehot & last  # each row's last nonzero of the block
+            hit = jnp.max(jnp.where(pick, 1.0, 0.0), axis=1, keepdims=True)
+            acc = acc + select(pick, scan_ref[pl.ds(offset, chunk), :], num_parts)
+            return acc, jnp.maximum(present, hit)
+
+        init = (
+            jnp.zeros((tiling.window, width), jnp.float32),
+            jnp.zeros((tiling.window, 1), jnp.float32),
+        )
+        return _chunks(tiling, chunk, body, init)
+
+    @pl.when((flags & SKIP) == 0)
     def _reduce():
-        _extreme_step(out_tile_ref[s], rows_ref, vals_ref, o_ref, identity, reducer, combine)
+        window = pl.ds(start, tiling.window)
+        part, present = picked(_select)
+
+        def combine_into(part):
+            current = o_ref[window, :]
+            merged = jnp.where(jnp.isnan(current), current, combine(current, part))
+            o_ref[window, :] = jnp.where(present > 0, merged, current)
+
+        finite = _all_finite(part)
+
+        @pl.when(finite)
+        def _combine():
+            combine_into(part)
+
+        @pl.when(jnp.logical_not(finite))
+        def _combine_non_finite():
+            combine_into(picked(_non_finite_select)[0])
 
 
-def _extreme_step(out_tile, rows_ref, vals_ref, o_ref, identity, reducer, combine):
-    # Transposed one-hot (BLOCK_K, BLOCK_M): column i masks the nonzeros of row i
-    # down the sublanes of the (BLOCK_K, block_n) value tile.
-    onehot = _onehot(rows_ref, out_tile * BLOCK_M, jnp.float32)
-    members = jnp.transpose(onehot)
-    vals = vals_ref[...].astype(jnp.float32)
-    for i in range(BLOCK_M):  # static: one masked sublane reduction per output row
-        masked = jnp.where(members[:, i : i + 1] > 0, vals, identity)
-        partial = reducer(masked, axis=0, keepdims=True)
-        current = o_ref[i : i + 1, :]
-        # a NaN already in the output stays (explicitly: not every max is NaN-safe)
-        o_ref[i : i + 1, :] = jnp.where(jnp.isnan(current), current, combine(current, partial))
-    # NaN propagates by an explicit count, not by the reduction above: XLA:CPU's
-    # vectorised max/min reductions (Pallas interpret mode) can drop a NaN.
-    nan = jnp.isnan(vals)
-
-    @pl.when(jnp.max(jnp.where(nan, 1.0, 0.0)) > 0)
-    def _propagate_nan():
-        count = jnp.dot(onehot, nan.astype(jnp.float32), preferred_element_type=jnp.float32)
-        o_ref[...] = jnp.where(count > 0, jnp.nan, o_ref[...])
+def _feature_block(f: int, block_k: int) -> int:
+    """Features per grid column: the whole width, or a multiple of 128 that divides it
+    and keeps the value block within :data:`MAX_BLOCK_ELEMENTS`."""
+    if f % 128:
+        return f
+    for block_n in (512, 256, 128):
+        if f % block_n == 0 and block_k * block_n <= MAX_BLOCK_ELEMENTS:
+            return block_n
+    return 128
 
 
 def spmm(
     values: jax.Array,
     rows: jax.Array,
-    schedule: TileSchedule,
+    schedule: Schedule,
     *,
     num_rows: int,
     reduce: str = "sum",
     interpret: bool | pltpu.InterpretParams = False,
+    chunk: int | None = None,
 ) -> jax.Array:
-    """``out[rows[k]] += values[k]`` as block-sparse MXU products, in float32.
+    """``out[rows[k]] += values[k]`` as windowed one-hot MXU products, in float32.
 
     With ``reduce="max"``/``"min"``: ``out[r] = max/min of values[k]`` over
-    ``rows[k] == r``, on the VPU; rows without nonzeros hold -inf/+inf.
+    ``rows[k] == r``; rows without nonzeros hold -inf/+inf.
 
     Args:
       values: ``(nnz, F)`` per-nonzero rows (already gathered and weighted), in CSR
-        order; bfloat16 runs natively on the MXU, float32 at HIGHEST precision.
-      rows: ``(nnz,)`` int32 row of every nonzero (non-decreasing).
-      schedule: a :class:`TileSchedule` from :func:`plan_tile_schedule`.
+        order; bfloat16 or float32.
+      rows: ``(1, nnz_padded)`` int32 row of every nonzero, -1 past ``nnz`` (a
+        :class:`TpuPlan`'s ``rows``).
+      schedule: a :class:`Schedule` from :func:`plan_schedule` for those rows.
       num_rows: ``m``.
       reduce: ``"sum"``, ``"max"`` or ``"min"``.
       interpret: ``True`` or ``pltpu.InterpretParams()`` to run on CPU.
+      chunk: nonzeros per MXU product inside a block (a multiple of 128 dividing
+        ``block_k``). Default: the whole block for sums, :data:`EXTREME_CHUNK` for
+        max/min (the fastest measured on a v5e).
 
     Returns:
       ``(m, F)`` float32.
     """
+    t = schedule.tiling
+    if chunk is None:
+        chunk = t.block_k if reduce == "sum" else EXTREME_CHUNK
+    chunk = min(chunk, t.block_k)
+    if t.block_k % chunk or chunk % 128:
+        raise ValueError(f"chunk must be a multiple of 128 dividing {t.block_k}, got {chunk}")
+    num_parts = 1 if values.dtype == jnp.bfloat16 else 3
     nnz, f = values.shape
-    out_tile, nnz_tile, first = schedule.out_tile, schedule.nnz_tile, schedule.first
-    num_k = max(1, pl.cdiv(nnz, BLOCK_K))
-    num_m = max(1, pl.cdiv(num_rows, BLOCK_M))
-    pad = num_k * BLOCK_K - nnz
-    values = jnp.pad(values, ((0, pad), (0, 0)))
-    rows = jnp.pad(rows.astype(jnp.int32), (0, pad), constant_values=-1)
-    block_n = 128 if f % 128 == 0 else f
+    num_k = rows.shape[1] // t.block_k
+    num_m = max(1, -(-num_rows // t.block_m))
+    values = jnp.pad(values, ((0, num_k * t.block_k - nnz), (0, 0)))
+    block_n = _feature_block(f, t.block_k)
+    row_spec = pl.BlockSpec((1, t.block_k), lambda j, s, b, tl, sp: (0, b[s]))
+    val_spec = pl.BlockSpec((t.block_k, block_n), lambda j, s, b, tl, sp: (b[s], j))
+    out_spec = pl.BlockSpec((t.block_m, block_n), lambda j, s, b, tl, sp: (tl[s] >> _FLAG_BITS, j))
     if reduce == "sum":
-        precision = lax.Precision.HIGHEST if values.dtype == jnp.float32 else None
-        kernel = functools.partial(_sum_kernel, precision=precision)
+        kernel = functools.partial(_sum_kernel, tiling=t, chunk=chunk, num_parts=num_parts)
+        in_specs, operands, scratch = [row_spec, val_spec], [rows, values], []
     elif reduce in _REDUCERS:
-        kernel = functools.partial(_extreme_kernel, reduce=reduce)
+        kernel = functools.partial(
+            _extreme_kernel, tiling=t, chunk=chunk, num_parts=num_parts, reduce=reduce
+        )
+        following = jnp.concatenate([rows[:, 1:], jnp.full((1, 1), -1, rows.dtype)], axis=1)
+        in_specs = [row_spec, row_spec, val_spec]
+        operands = [rows, following, values]
+        scratch = [pltpu.VMEM((t.block_k, block_n), jnp.float32)]
     else:
         raise ValueError(f"reduce must be 'sum', 'max' or 'min', got {reduce!r}")
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
-        grid=(f // block_n, out_tile.shape[0]),
-        in_specs=[
-            pl.BlockSpec((1, BLOCK_K), lambda j, s, ot, kt, fr: (0, kt[s])),
-            pl.BlockSpec((BLOCK_K, block_n), lambda j, s, ot, kt, fr: (kt[s], j)),
-        ],
-        out_specs=pl.BlockSpec((BLOCK_M, block_n), lambda j, s, ot, kt, fr: (ot[s], j)),
+        grid=(f // block_n, schedule.block.shape[0]),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        scratch_shapes=scratch,
     )
     out = pl.pallas_call(
         kernel,
-        out_shape=jax.ShapeDtypeStruct((num_m * BLOCK_M, f), jnp.float32),
+        out_shape=jax.ShapeDtypeStruct((num_m * t.block_m, f), jnp.float32),
         grid_spec=grid_spec,
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "arbitrary")),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT_BYTES
+        ),
         interpret=interpret,
-        name="jaxcsr_block_spmm",
-    )(out_tile, nnz_tile, first, rows[None, :], values)
+        name=f"jaxcsr_window_spmm_{reduce}",
+    )(schedule.block, schedule.tile, schedule.span, *operands)
     return out[:num_rows]
 
 
@@ -338,10 +666,25 @@ def covers(view: Structure) -> bool:
     return not view.one_per_row
 
 
+def default_for(view: Structure) -> bool:
+    """Whether ``impl=None`` runs the kernel on a view it covers: not for unsorted ids
+    planned on the device, whose sort and gather on a TPU cost more than XLA's scatter
+    on ids that arrive grouped by segment (measured on tolokers: 11.9 ms against
+    9.7 ms at 128 float32 features; ``benchmarks/results/tpu-v5e/``). Sorted traced
+    ids (``indices_are_sorted=True``) need neither and run the kernel."""
+    return not (view.layout.padded and view.one_per_column and not view.sorted_ids)
+
+
 def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
     """What runs ``view`` (host-side report for ``plan_info``)."""
     del n_features
-    return {"pallas_tpu": "kernel" if covers(view) else "xla gather (one entry per row)"}
+    if not covers(view):
+        return {"pallas_tpu": "xla gather (one entry per row)"}
+    t = choose_tiling(view.shape[0], view.nnz)
+    return {
+        "pallas_tpu": f"kernel (blocks of {t.block_k} nonzeros, windows of {t.window} rows, "
+        f"tiles of {t.block_m} rows)"
+    }
 
 
 def product(
@@ -357,17 +700,24 @@ def product(
 ) -> jax.Array:
     """Backend entry: the viewed matrix (not one-per-row: :func:`covers`) times ``x``.
 
-    Gathers X's rows into nonzero order (XLA), runs the block-sparse kernel (float32
-    out), zeroes empty rows of max/min and casts to ``out_dtype``.
+    Puts the values in CSR order (XLA; nothing to move for sorted ids), runs the
+    windowed kernel (float32 out), zeroes empty rows of max/min and casts to
+    ``out_dtype``.
     """
     del platform
-    values = entry_values(x, data, structure)
+    if structure.sorted_ids:  # CSR order is the input order
+        values = column_values(x, data, structure)
+    else:
+        values = entry_values(x, data, structure)
     if values.dtype == jnp.float16:  # the MXU takes bfloat16 and float32
         values = values.astype(jnp.float32)
-    tiles = tpu_plan.t_tiles if structure.transposed else tpu_plan.tiles
+    if structure.transposed:
+        tiles, rows = tpu_plan.t_tiles, tpu_plan.t_rows
+    else:
+        tiles, rows = tpu_plan.tiles, tpu_plan.rows
     out = spmm(
         values,
-        structure.row_ids(),
+        rows,
         tiles,
         num_rows=structure.shape[0],
         reduce=reduce,
@@ -377,5 +727,6 @@ def product(
         interpret=interpret,
     )
     if reduce != "sum":  # the kernel leaves -inf/+inf in empty rows
-        out = zero_empty_rows(out, structure)
+        nonempty = jnp.diff(structure.view_indptr()) > 0
+        out = jnp.where(nonempty[:, None], out, jnp.zeros((), out.dtype))
     return out.astype(out_dtype)

@@ -1,0 +1,216 @@
+"""Where the time goes on a TPU: copy, XLA's gather and scatter, the kernel alone.
+
+``python -m benchmarks.hardware.tpu_probe [--graphs tolokers,PATH] [--out DIR]``
+
+For each graph, feature width and dtype, times in one process (median of ``--repeats``
+calls after two warm-ups): a copy of the values (``v + 1``: the bandwidth floor), the
+XLA gather that puts input-order values in CSR order, ``jax.ops.segment_sum`` on
+input-order and on pre-sorted values, the windowed kernel alone on pre-sorted values
+for several tilings, ``A @ v`` (gather + kernel), the max kernel alone against
+``jax.ops.segment_max``, and traced ids. (Two earlier variants were measured with this
+probe and removed: a row gather by one DMA per row, 3.5-4x slower than XLA's, and
+float32 at ``Precision.HIGHEST``, 11-25 % slower than three bfloat16 parts; see
+``benchmarks/results/tpu-v5e/README.md``.) Kernel results are checked against float64
+(sums) and the XLA path (max, bit for bit). Writes ``probe.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.sparse as sp
+
+import jaxcsr
+from benchmarks.datasets import load_graph
+from jaxcsr import CSRMatrix
+from jaxcsr.kernels import tpu
+
+TILINGS = ((1024, 128), (2048, 128), (2048, 256))
+CHUNKS = (128, 256, 512, 2048)
+
+
+def median_ms(fn, *args, repeats: int) -> float:
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3
+
+
+def probe(graph: str, widths, dtypes, repeats: int, emit, interpret: bool = False) -> None:
+    g = load_graph(graph)
+    m, e = g.num_nodes, g.num_edges
+    order = np.argsort(g.dst, kind="stable")
+    dst_sorted = g.dst[order]
+    A = CSRMatrix.from_indices(g.dst, num_rows=m, backends=("xla", "pallas_tpu"))
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(g.dst, minlength=m))])
+    onehot = sp.csr_array((np.ones(e), (g.dst, np.arange(e))), shape=(m, e))
+    rng = np.random.default_rng(0)
+    dst = jnp.asarray(g.dst, jnp.int32)
+    dsts = jnp.asarray(dst_sorted, jnp.int32)
+    perm = jnp.asarray(order, jnp.int32)
+    base = {"graph": g.name, "rows": m, "nnz": e}
+    emit({**base, "default_tiling": str(tpu.choose_tiling(m, e))})
+
+    def cells(f: int, dtype, v64: np.ndarray) -> None:
+        v = jnp.asarray(v64, dtype)
+        vs = v[perm]
+        ref = onehot @ np.asarray(v.astype(jnp.float32), np.float64)
+        scale = np.abs(ref).max()
+        cell = {**base, "features": f, "dtype": jnp.dtype(dtype).name}
+        nbytes = e * f * jnp.dtype(dtype).itemsize
+
+        def run(name, fn, *args, check=None, _cell=cell, _nbytes=nbytes):
+            try:
+                ms = median_ms(jax.jit(fn), *args, repeats=repeats)
+                rec = {
+                    **_cell,
+                    "case": name,
+                    "ms": round(ms, 4),
+                    "values_GBps": round(_nbytes / ms / 1e6, 1),
+                }
+                if check is not None:
+                    rec.update(check(np.asarray(jax.jit(fn)(*args), np.float64)))
+            except Exception as err:  # record and go on: one cell must not end the probe
+                rec = {**_cell, "case": name, "error": f"{type(err).__name__}: {err}"[:400]}
+            emit(rec)
+
+        def sum_err(out):
+            return {"rel_err": float(np.abs(out - ref).max() / scale)}
+
+        run("copy v+1", lambda a: a + 1, v)
+        run("xla gather v[perm]", lambda a: a[perm], v)
+        run(
+            "segment_sum input order",
+            lambda a: jax.ops.segment_sum(a, dst, m),
+            v,
+            check=sum_err,
+        )
+        run(
+            "segment_sum pre-sorted",
+            lambda a: jax.ops.segment_sum(a, dsts, m, indices_are_sorted=True),
+            vs,
+            check=sum_err,
+        )
+        for bk, w in TILINGS:
+            t = tpu.Tiling(bk, min(w, tpu.MAX_BLOCK_M), min(tpu.MAX_BLOCK_M, -(-m // 8) * 8))
+            sched = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, t))
+            rows = jnp.asarray(tpu._padded_rows(tpu._host_rows(indptr), bk, np))
+            for chunk in CHUNKS:
+                if chunk > bk:
+                    continue
+                run(
+                    f"kernel alone k={bk} w={w} chunk={chunk} steps={sched.block.shape[0]}",
+                    lambda a, s=sched, r=rows, c=chunk: tpu.spmm(
+                        a, r, s, num_rows=m, interpret=interpret, chunk=c
+                    ),
+                    vs,
+                    check=sum_err,
+                )
+        run("A @ v (gather + kernel)", lambda a: A @ a, v, check=sum_err)
+        run("A @ v impl=xla", lambda a: jaxcsr.matmul(A, a, impl="xla"), v)
+        run(
+            "traced jaxcsr.segment_sum",
+            lambda a, d: jaxcsr.segment_sum(a, d, m),
+            v,
+            dst,
+            check=sum_err,
+        )
+        run("traced jax.ops.segment_sum", lambda a, d: jax.ops.segment_sum(a, d, m), v, dst)
+        run(
+            "traced jaxcsr.segment_sum sorted ids",
+            lambda a, d: jaxcsr.segment_sum(a, d, m, indices_are_sorted=True),
+            vs,
+            dsts,
+            check=sum_err,
+        )
+        run(
+            "traced jax.ops.segment_sum sorted ids",
+            lambda a, d: jax.ops.segment_sum(a, d, m, indices_are_sorted=True),
+            vs,
+            dsts,
+        )
+        if f == widths[0] and dtype == dtypes[0]:
+            iota = jnp.arange(e, dtype=jnp.int32)
+            run(
+                "sort (ids, iota) stable",
+                lambda d: jax.lax.sort((d, iota), num_keys=1, is_stable=True),
+                dst,
+            )
+            run(
+                "sort (ids, iota) unstable",
+                lambda d: jax.lax.sort((d, iota), num_keys=1, is_stable=False),
+                dst,
+            )
+            run("sort one int32 key (a lower bound)", lambda d: jax.lax.sort(d * 0 + iota), dst)
+        xla_max = np.asarray(jaxcsr.matmul(A, v, reduce="max", impl="xla"), np.float64)
+
+        def max_same(out):
+            return {"max_bits_equal": bool(np.array_equal(out, xla_max))}
+
+        run(
+            "max A (gather + kernel)",
+            lambda a: jaxcsr.matmul(A, a, reduce="max"),
+            v,
+            check=max_same,
+        )
+        t = tpu.choose_tiling(m, e)
+        sched = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, t))
+        rows = jnp.asarray(tpu._padded_rows(tpu._host_rows(indptr), t.block_k, np))
+        for chunk in (256, 512, t.block_k):
+            run(
+                f"max kernel alone chunk={chunk}",
+                lambda a, c=chunk: tpu.spmm(
+                    a, rows, sched, num_rows=m, reduce="max", interpret=interpret, chunk=c
+                ),
+                vs,
+            )
+        run("segment_max input order", lambda a: jax.ops.segment_max(a, dst, m), v)
+        run(
+            "segment_max pre-sorted",
+            lambda a: jax.ops.segment_max(a, dsts, m, indices_are_sorted=True),
+            vs,
+        )
+
+    for f in widths:
+        v64 = rng.uniform(-1, 1, (e, f))
+        for dtype in dtypes:
+            cells(f, dtype, v64)
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--graphs", default="tolokers")
+    p.add_argument("--features", default="16,128")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--repeats", type=int, default=10)
+    p.add_argument("--out", default="benchmarks/results/tmp-probe")
+    p.add_argument("--interpret", action="store_true", help="smoke run on CPU")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+
+    def emit(rec):
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        (out / "probe.json").write_text(json.dumps(records, indent=1))
+
+    emit({"jax": jax.__version__, "devices": str(jax.devices())})
+    widths = [int(w) for w in args.features.split(",")]
+    dtypes = [jnp.dtype(d) for d in args.dtypes.split(",")]
+    for graph in args.graphs.split(","):
+        probe(graph, widths, dtypes, args.repeats, emit, args.interpret)
+
+
+if __name__ == "__main__":
+    main()
