@@ -1,29 +1,48 @@
-"""TPU benchmark (for users with a TPU; not run by this project's CI or authors).
+"""TPU benchmark: jaxcsr against jax.ops and BCSR, side by side in one process.
 
-``python -m benchmarks.hardware.on_tpu [--graph tolokers] [--features 128,512]``
+``python -m benchmarks.hardware.on_tpu [--graphs tolokers,musae_github,PATH]
+[--features 16,128] [--dtypes float32,bfloat16] [--out DIR] [--deadline S]``
+(``benchmarks/hardware/tpu_session.sh`` runs it in one device call, after the compiled
+kernel tests). ``--schedule-stats`` prints the kernel's schedule lengths (any machine).
 
-Times the segment form (``from_indices(dst) @ messages``) and the GCN SpMM form,
-forward, with the Pallas TPU kernel (``impl=None`` on TPU), the XLA path,
-``jax.ops.segment_sum`` (unsorted) and ``jax.experimental.sparse.BCSR``; checks the
-kernel against the XLA path first and prints medians in ms.
+For every graph, feature width ``N`` and dtype, each workload times jaxcsr and its
+peers in turns (median of ``--repeats`` calls after two warm-ups, inputs as jit
+arguments, matrices closed over), checks jaxcsr's output against the peer's, and
+reports the ratio to the best peer. Workloads:
+
+* ``segment``: per-edge values in input order summed by destination (``A @ v`` with
+  ``A = from_indices(dst)``) against ``jax.ops.segment_sum`` on the same values and on
+  values sorted by destination once (``pre-sorted``, the best a peer can do with a
+  static graph); jaxcsr on pre-sorted values too.
+* ``max``: the same with max, against ``jax.ops.segment_max``.
+* ``traced``: ids as a jit argument (``jaxcsr.segment_sum``), unsorted and sorted
+  (``indices_are_sorted=True``), against ``jax.ops.segment_sum`` on the same.
+* ``segment fwd+bwd``: ``grad`` of a loss through the segment sum, w.r.t. the values.
+* ``spmm`` / ``spmm fwd+bwd``: GCN's ``Â @ X`` against ``jax.experimental.sparse`` BCSR.
+* ``softmax``: ``segment_softmax`` against the jax.ops composition (max, exp, sum).
+
+``copy`` (``v + 1``, read and write) gives the bandwidth the chip reaches in the same
+run; the segment rows report jaxcsr's GB/s (values read once, output written once) and
+its share of that copy bandwidth. Writes ``tpu.json`` and ``tpu.md`` under ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
-from benchmarks import measure
 from benchmarks.datasets import load_graph
 from benchmarks.systems import jax_sparse_twins
-from jaxcsr import CSRMatrix, matmul
+from jaxcsr import CSRMatrix, matmul, segment_softmax, segment_sum
 
 
 def schedule_stats() -> list[str]:
@@ -48,62 +67,243 @@ def schedule_stats() -> list[str]:
     return rows
 
 
-def main(argv=None) -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument(
-        "--schedule-stats", action="store_true", help="print schedule lengths (any machine)"
-    )
-    p.add_argument("--graph", default="tolokers")
-    p.add_argument("--features", default="128,512")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--repeats", type=int, default=20)
-    args = p.parse_args(argv)
-    if args.schedule_stats:
-        print("\n".join(schedule_stats()))
-        return
-    if jax.default_backend() != "tpu":
-        raise SystemExit(f"no TPU: jax backend is {jax.default_backend()!r}")
+def median_ms(fn, args, repeats: int) -> tuple[float, object]:
+    out = jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times)) * 1e3, out
 
-    g = load_graph(args.graph)
-    dtype = jnp.dtype(args.dtype)
-    A = CSRMatrix.from_indices(g.dst, num_rows=g.num_nodes)
+
+def rel_err(a, b) -> float:
+    a, b = (np.asarray(jnp.asarray(t, jnp.float32), np.float64) for t in (a, b))
+    finite = np.isfinite(b)
+    scale = max(1.0, float(np.abs(b[finite]).max(initial=0.0)))
+    return float(np.abs(a[finite] - b[finite]).max(initial=0.0) / scale)
+
+
+def _loss_grad(fn):
+    return jax.jit(jax.grad(lambda v, c: jnp.sum(fn(v).astype(jnp.float32) * c)))
+
+
+def workloads(g, f: int, dtype, rng: np.random.Generator):
+    """Yields ``(workload, {system: (fn, args)}, bytes moved by the ideal kernel)``;
+    the first system is jaxcsr's, the others are peers."""
+    m, e = g.num_nodes, g.num_edges
+    order = np.argsort(g.dst, kind="stable")
+    A = CSRMatrix.from_indices(g.dst, num_rows=m)
+    As = CSRMatrix.from_indices(g.dst[order], num_rows=m)
+    dst, dsts = jnp.asarray(g.dst, jnp.int32), jnp.asarray(g.dst[order], jnp.int32)
+    v = jnp.asarray(rng.uniform(-1, 1, (e, f)), dtype)
+    vs = v[jnp.asarray(order)]
+    ct = jnp.asarray(rng.uniform(-1, 1, (m, f)), jnp.float32)
+    size = jnp.dtype(dtype).itemsize
+    ideal = e * f * size + m * f * size
+    yield "copy", {"v + 1": (jax.jit(lambda a: a + 1), (v,))}, 2 * e * f * size
+    yield (
+        "segment",
+        {
+            "jaxcsr": (jax.jit(lambda a: A @ a), (v,)),
+            "segment_sum": (jax.jit(lambda a: jax.ops.segment_sum(a, dst, m)), (v,)),
+            "segment_sum pre-sorted": (
+                jax.jit(lambda a: jax.ops.segment_sum(a, dsts, m, indices_are_sorted=True)),
+                (vs,),
+            ),
+        },
+        ideal,
+    )
+    yield (
+        "segment pre-sorted",
+        {
+            "jaxcsr": (jax.jit(lambda a: As @ a), (vs,)),
+            "segment_sum pre-sorted": (
+                jax.jit(lambda a: jax.ops.segment_sum(a, dsts, m, indices_are_sorted=True)),
+                (vs,),
+            ),
+        },
+        ideal,
+    )
+    yield (
+        "max",
+        {
+            "jaxcsr": (jax.jit(lambda a: matmul(A, a, reduce="max")), (v,)),
+            "segment_max": (jax.jit(lambda a: _zero_empty(jax.ops.segment_max(a, dst, m))), (v,)),
+            "segment_max pre-sorted": (
+                jax.jit(
+                    lambda a: _zero_empty(jax.ops.segment_max(a, dsts, m, indices_are_sorted=True))
+                ),
+                (vs,),
+            ),
+        },
+        ideal,
+    )
+    yield (
+        "traced",
+        {
+            "jaxcsr": (jax.jit(lambda a, d: segment_sum(a, d, m)), (v, dst)),
+            "segment_sum": (jax.jit(lambda a, d: jax.ops.segment_sum(a, d, m)), (v, dst)),
+        },
+        ideal,
+    )
+    yield (
+        "traced sorted",
+        {
+            "jaxcsr": (
+                jax.jit(lambda a, d: segment_sum(a, d, m, indices_are_sorted=True)),
+                (vs, dsts),
+            ),
+            "segment_sum": (
+                jax.jit(lambda a, d: jax.ops.segment_sum(a, d, m, indices_are_sorted=True)),
+                (vs, dsts),
+            ),
+        },
+        ideal,
+    )
+    yield (
+        "segment fwd+bwd",
+        {
+            "jaxcsr": (_loss_grad(lambda a: A @ a), (v, ct)),
+            "segment_sum": (_loss_grad(lambda a: jax.ops.segment_sum(a, dst, m)), (v, ct)),
+        },
+        2 * ideal,
+    )
     adj = g.normalized_adjacency()
     B = CSRMatrix.from_scipy(adj)
     B = B.with_data(B.data.astype(dtype))
     bcsr, _ = jax_sparse_twins(adj, dtype)
-    dst = jnp.asarray(g.dst, jnp.int32)
+    x = jnp.asarray(rng.uniform(-1, 1, (m, f)), dtype)
+    yield (
+        "spmm",
+        {"jaxcsr": (jax.jit(lambda a: B @ a), (x,)), "bcsr": (jax.jit(lambda a: bcsr @ a), (x,))},
+        None,
+    )
+    yield (
+        "spmm fwd+bwd",
+        {
+            "jaxcsr": (_loss_grad(lambda a: B @ a), (x, ct)),
+            "bcsr": (_loss_grad(lambda a: bcsr @ a), (x, ct)),
+        },
+        None,
+    )
+    if f <= 16:  # attention heads
+        yield (
+            "softmax",
+            {
+                "jaxcsr": (jax.jit(lambda a: segment_softmax(a, dst, m)), (v,)),
+                "jax.ops composition": (jax.jit(lambda a: _ops_softmax(a, dst, m)), (v,)),
+            },
+            2 * e * f * size,
+        )
+
+
+def _zero_empty(out):
+    return jnp.where(jnp.isfinite(out), out, jnp.zeros((), out.dtype))
+
+
+def _ops_softmax(x, ids, m):
+    top = jax.ops.segment_max(x, ids, m)
+    ex = jnp.exp(x - top[ids])
+    return ex / jax.ops.segment_sum(ex, ids, m)[ids]
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--schedule-stats", action="store_true", help="print schedule lengths")
+    p.add_argument("--graphs", default="tolokers,musae_github")
+    p.add_argument("--features", default="16,128")
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--out", default="benchmarks/results/tpu-latest")
+    p.add_argument("--deadline", type=float, default=None, help="seconds; stop starting groups")
+    p.add_argument("--any-platform", action="store_true", help="smoke run off a TPU")
+    args = p.parse_args(argv)
+    if args.schedule_stats:
+        print("\n".join(schedule_stats()))
+        return
+    if jax.default_backend() != "tpu" and not args.any_platform:
+        raise SystemExit(f"no TPU: jax backend is {jax.default_backend()!r}")
+    start = time.perf_counter()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
     rng = np.random.default_rng(0)
-    for n in (int(v) for v in args.features.split(",")):
-        msgs = jnp.asarray(rng.uniform(-1, 1, (g.num_edges, n)), dtype)
-        x = jnp.asarray(rng.uniform(-1, 1, (g.num_nodes, n)), dtype)
-        cases = {
-            "segment": (
-                msgs,
-                {
-                    "jaxcsr_pallas": lambda m: A @ m,
-                    "jaxcsr_xla": lambda m: matmul(A, m, impl="xla"),
-                    "segment_sum": lambda m: jax.ops.segment_sum(m, dst, g.num_nodes),
-                },
-            ),
-            "spmm": (
-                x,
-                {
-                    "jaxcsr_pallas": lambda x: B @ x,
-                    "jaxcsr_xla": lambda x: matmul(B, x, impl="xla"),
-                    "bcsr": lambda x: bcsr @ x,
-                },
-            ),
-        }
-        for workload, (arg, fns) in cases.items():
-            ref, cells = None, []
-            for name, fn in fns.items():
-                f = jax.jit(fn)
-                timing, out = measure.time_thunk(lambda f=f, a=arg: f(a), args.repeats)
-                got = measure.to_numpy(out)
-                ref = got if ref is None else ref
-                err = measure.relative_error(got, ref)
-                cells.append(f"{name} {timing.median_s * 1e3:.3f} ms (err {err:.1e})")
-            print(f"{g.name} {workload} N={n} {dtype.name}: " + "; ".join(cells), flush=True)
+    for graph in args.graphs.split(","):
+        g = load_graph(graph)
+        for f in (int(w) for w in args.features.split(",")):
+            for dtype in (jnp.dtype(d) for d in args.dtypes.split(",")):
+                if args.deadline and time.perf_counter() - start > args.deadline:
+                    print(f"deadline: skipping {g.name} N={f} {dtype.name}", flush=True)
+                    continue
+                copy_gbps = None
+                for workload, systems, nbytes in workloads(g, f, dtype, rng):
+                    cell = {
+                        "graph": g.name,
+                        "rows": g.num_nodes,
+                        "nnz": g.num_edges,
+                        "features": f,
+                        "dtype": dtype.name,
+                        "workload": workload,
+                    }
+                    times, outs = {}, {}
+                    for name, (fn, fargs) in systems.items():
+                        try:
+                            times[name], outs[name] = median_ms(fn, fargs, args.repeats)
+                        except Exception as err:  # one system must not end the run
+                            cell[f"error {name}"] = f"{type(err).__name__}: {err}"[:300]
+                    cell["ms"] = {k: round(t, 4) for k, t in times.items()}
+                    if workload == "copy" and times:
+                        copy_gbps = nbytes / times["v + 1"] / 1e6
+                        cell["copy_GBps"] = round(copy_gbps, 1)
+                    elif "jaxcsr" in times:
+                        peers = {k: t for k, t in times.items() if k != "jaxcsr"}
+                        if peers:
+                            best = min(peers, key=peers.get)
+                            cell["best_peer"] = best
+                            cell["speedup"] = round(peers[best] / times["jaxcsr"], 3)
+                            cell["rel_err_vs_best_peer"] = rel_err(outs["jaxcsr"], outs[best])
+                        if nbytes and copy_gbps:
+                            gbps = nbytes / times["jaxcsr"] / 1e6
+                            cell["jaxcsr_GBps"] = round(gbps, 1)
+                            cell["pct_of_copy"] = round(100 * gbps / copy_gbps, 1)
+                    rows.append(cell)
+                    print(json.dumps(cell), flush=True)
+                    (out / "tpu.json").write_text(json.dumps(rows, indent=1))
+    (out / "tpu.md").write_text(table(rows))
+    print(table(rows))
+
+
+def table(rows: list[dict]) -> str:
+    lines = [
+        "| graph | N | dtype | workload | jaxcsr ms | best peer | peer ms | speedup | "
+        "GB/s | % of copy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        if "speedup" not in r:
+            if "copy_GBps" in r:
+                lines.append(
+                    f"| {r['graph']} | {r['features']} | {r['dtype']} | copy | "
+                    f"{r['ms']['v + 1']:.3f} | | | | {r['copy_GBps']} | 100 |"
+                )
+            continue
+        peer = r["best_peer"]
+        lines.append(
+            f"| {r['graph']} | {r['features']} | {r['dtype']} | {r['workload']} | "
+            f"{r['ms']['jaxcsr']:.3f} | {peer} | {r['ms'][peer]:.3f} | {r['speedup']:.2f}x | "
+            f"{r.get('jaxcsr_GBps', '')} | {r.get('pct_of_copy', '')} |"
+        )
+    ratios = [r["speedup"] for r in rows if "speedup" in r]
+    if ratios:
+        geo = float(np.exp(np.mean(np.log(ratios))))
+        lines.append("")
+        lines.append(
+            f"Geometric mean {geo:.2f}x the best peer over {len(ratios)} cells; "
+            f"{sum(x < 1.0 for x in ratios)} below 1.0x."
+        )
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":
