@@ -17,8 +17,10 @@ reports the ratio to the best peer. Workloads:
 * ``max``: the same with max, against ``jax.ops.segment_max``.
 * ``traced``: ids as a jit argument (``jaxcsr.segment_sum``), unsorted and sorted
   (``indices_are_sorted=True``), against ``jax.ops.segment_sum`` on the same.
-* ``segment fwd+bwd``: ``grad`` of a loss through the segment sum, w.r.t. the values.
-* ``spmm`` / ``spmm fwd+bwd``: GCN's ``Â @ X`` against ``jax.experimental.sparse`` BCSR.
+* ``segment grad``: ``grad`` w.r.t. the values of a loss linear in the segment sum;
+  the forward is dead code there, so this times the backward alone (a row gather).
+* ``spmm`` / ``spmm grad``: GCN's ``Â @ X`` against ``jax.experimental.sparse`` BCSR,
+  and its gradient w.r.t. ``X`` (the product with the planned transpose).
 * ``softmax``: ``segment_softmax`` against the jax.ops composition (max, exp, sum).
 
 ``copy`` (``v + 1``, read and write) gives the bandwidth the chip reaches in the same
@@ -163,7 +165,7 @@ def workloads(g, f: int, dtype, rng: np.random.Generator):
         ideal,
     )
     yield (
-        "segment fwd+bwd",
+        "segment grad",
         {
             "jaxcsr": (_loss_grad(lambda a: A @ a), (v, ct)),
             "segment_sum": (_loss_grad(lambda a: jax.ops.segment_sum(a, dst, m)), (v, ct)),
@@ -181,7 +183,7 @@ def workloads(g, f: int, dtype, rng: np.random.Generator):
         None,
     )
     yield (
-        "spmm fwd+bwd",
+        "spmm grad",
         {
             "jaxcsr": (_loss_grad(lambda a: B @ a), (x, ct)),
             "bcsr": (_loss_grad(lambda a: bcsr @ a), (x, ct)),
