@@ -405,3 +405,17 @@ def test_device_planned_products_lower_to_the_kernels():
         assert TRITON_CALL in text and "stablehlo.sort" in text  # planned in the program
         text = export.export(jax.jit(tpu_fn), platforms=["tpu"])(*args).mlir_module()
         assert "tpu_custom_call" in text
+
+
+def test_sorted_row_pointer_equals_the_scatter_row_pointer(rng):
+    """The TPU branch of segment_structure (a search in the sorted keys) gives the
+    scatter-add's row pointer; CPU tests run only the scatter branch."""
+    for m in (1, 7, 300):
+        keys = np.sort(rng.integers(0, m + 1, 500))  # m = dropped, sorted to the end
+        keys = jnp.asarray(keys, jnp.int32)
+        np.testing.assert_array_equal(
+            device_plan.sorted_row_pointer(keys, m, jnp.int32),
+            device_plan.row_pointer(keys, m, jnp.int32),
+        )
+    empty = jnp.zeros(0, jnp.int32)
+    np.testing.assert_array_equal(device_plan.sorted_row_pointer(empty, 4, jnp.int32), 0)

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import jax
@@ -28,22 +27,12 @@ import scipy.sparse as sp
 
 import jaxcsr
 from benchmarks.datasets import load_graph
+from benchmarks.hardware.on_tpu import median_ms
 from jaxcsr import CSRMatrix
 from jaxcsr.kernels import tpu
 
 TILINGS = ((1024, 128), (2048, 128), (2048, 256))
 CHUNKS = (128, 256, 512, 2048)
-
-
-def median_ms(fn, *args, repeats: int) -> float:
-    jax.block_until_ready(fn(*args))
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times)) * 1e3
 
 
 def probe(graph: str, widths, dtypes, repeats: int, emit, interpret: bool = False) -> None:
@@ -71,7 +60,7 @@ def probe(graph: str, widths, dtypes, repeats: int, emit, interpret: bool = Fals
 
         def run(name, fn, *args, check=None, _cell=cell, _nbytes=nbytes):
             try:
-                ms = median_ms(jax.jit(fn), *args, repeats=repeats)
+                ms, _ = median_ms(jax.jit(fn), args, repeats)
                 rec = {
                     **_cell,
                     "case": name,
