@@ -14,7 +14,7 @@ one module and one :func:`register` call (here, or from user code: the set of va
   kernel is planned or chosen, and what answers the values' gradient (``sddmm``) and
   the max/min arg search for every backend without its own.
 * :mod:`jaxcsr.kernels.gpu` -- Pallas Triton kernel (load-balanced row work items).
-* :mod:`jaxcsr.kernels.tpu` -- Pallas Mosaic kernel (block-sparse one-hot MXU tiles).
+* :mod:`jaxcsr.kernels.tpu` -- Pallas Mosaic kernel (one-hot MXU windows over blocks of nonzeros).
 * :mod:`jaxcsr.kernels.cpu` -- C++ kernels through XLA FFI (multithreaded sums).
 """
 
