@@ -363,7 +363,8 @@ def plan_on_device(structure: Structure) -> TpuPlan:
 
 
 # --------------------------------------------------------------------- kernel
-def _step_fields(tile_ref, span_ref, s, tiling: Tiling):
+def _step_fields(tile_ref, span_ref, s):
+    """Step ``s``: its tile, flags, window start and first owned row (:class:`Schedule`)."""
     word, span = tile_ref[s], span_ref[s]
     start = pl.multiple_of(span & ((1 << _LO_SHIFT) - 1), SUBLANES)
     return word >> _FLAG_BITS, word & ((1 << _FLAG_BITS) - 1), start, span >> _LO_SHIFT
@@ -436,7 +437,7 @@ def _sum_kernel(
 ):
     del block_ref
     s = pl.program_id(1)
-    tile, flags, start, lo = _step_fields(tile_ref, span_ref, s, tiling)
+    tile, flags, start, lo = _step_fields(tile_ref, span_ref, s)
     base = tile * tiling.block_m
     shape = (tiling.window, o_ref.shape[1])
 
@@ -510,7 +511,7 @@ def _extreme_kernel(
 ):
     s = pl.program_id(1)
     identity, combine = _REDUCERS[reduce]
-    tile, flags, start, lo = _step_fields(tile_ref, span_ref, s, tiling)
+    tile, flags, start, lo = _step_fields(tile_ref, span_ref, s)
     base = tile * tiling.block_m
     width = o_ref.shape[1]
 
