@@ -114,6 +114,39 @@ def test_small_tiles_many_windows_under_both_interpreters(rng, dtype, interpret)
         np.testing.assert_array_equal(np.asarray(got), want)
 
 
+@pytest.mark.parametrize("reduce", ["sum", "max"])
+def test_fast_kernel_output_is_finite_only_when_right(rng, reduce):
+    """What product's rerun rests on: without ``ieee`` the kernel equals the IEEE one
+    on finite values; with an inf or NaN anywhere (any block, any window), its output
+    is either right or not finite (always not finite for sums: the value's own row);
+    the IEEE kernel gives numpy's answer."""
+    num_rows = 3 * SMALL.block_m + 5
+    idx = np.sort(_skewed_ids(rng, 700, num_rows, 2 * SMALL.block_m))
+    indptr, _ = plan.segment_ids_to_csr(idx, num_rows)
+    vals = random_values(rng, (700, 5)).astype(np.float32)
+    kw = {"reduce": reduce, "chunk": 128}
+    fast = _kernel_sum(vals, indptr, num_rows, SMALL, **kw)
+    np.testing.assert_array_equal(
+        np.asarray(fast), np.asarray(_kernel_sum(vals, indptr, num_rows, SMALL, ieee=True, **kw))
+    )
+    ufunc, identity = {"sum": (np.add, 0.0), "max": (np.maximum, -np.inf)}[reduce]
+    for bad in (np.inf, -np.inf, np.nan, np.inf):
+        spoilt = vals.copy()
+        k = int(rng.integers(0, 700))
+        spoilt[k, int(rng.integers(0, 5))] = bad
+        want = np.full((num_rows, 5), identity)
+        ufunc.at(want, idx, spoilt.astype(np.float64))
+        got = np.asarray(_kernel_sum(spoilt, indptr, num_rows, SMALL, ieee=True, **kw))
+        np.testing.assert_allclose(got, want, rtol=2e-6, atol=1e-5)
+        fast = np.asarray(_kernel_sum(spoilt, indptr, num_rows, SMALL, **kw))
+        if reduce == "sum" or bad != -np.inf:
+            assert not np.isfinite(fast[idx[k]]).all(), (bad, k)
+        else:  # a -inf below its row's max changes nothing; product zeroes empty rows
+            nonempty = np.diff(indptr) > 0
+            fast, got = fast[nonempty], got[nonempty]
+            assert not np.isfinite(fast).all() or np.array_equal(fast, got), k
+
+
 def test_grads_through_the_kernel(rng):
     assert_kernel_grads(tpu_matmul, rng, 13, 9)
 
@@ -259,7 +292,7 @@ def test_tpu_benchmark_runs_off_a_tpu(tmp_path):
             "--graphs",
             "cora",
             "--features",
-            "16",
+            "16,128",
             "--dtypes",
             "float32",
             "--repeats",
@@ -272,6 +305,14 @@ def test_tpu_benchmark_runs_off_a_tpu(tmp_path):
     rows = json.loads((tmp_path / "tpu.json").read_text())
     assert not [r for r in rows if any(k.startswith("error") for k in r)]
     compared = [r for r in rows if "speedup" in r]
-    assert {r["workload"] for r in compared} >= {"segment", "max", "traced", "spmm", "softmax"}
+    assert {r["workload"] for r in compared} >= {
+        "segment",
+        "max",
+        "traced",
+        "spmm",
+        "softmax",
+        "gcn step",
+        "jraph step",
+    }
     assert all(r["rel_err_vs_best_peer"] < 1e-5 for r in compared)
     assert "Geometric mean" in (tmp_path / "tpu.md").read_text()

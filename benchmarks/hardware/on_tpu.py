@@ -22,6 +22,14 @@ reports the ratio to the best peer. Workloads:
 * ``spmm`` / ``spmm grad``: GCN's ``Â @ X`` against ``jax.experimental.sparse`` BCSR,
   and its gradient w.r.t. ``X`` (the product with the planned transpose).
 * ``softmax``: ``segment_softmax`` against the jax.ops composition (max, exp, sum).
+* ``gcn step`` (float32, ``N = 128`` cells): one jitted training step (forward, loss,
+  gradient, SGD update) of a two-layer GCN with 128 hidden features on random
+  ``(m, 128)`` node features, aggregating with ``Â @ h`` (jaxcsr, BCSR) or
+  ``segment_sum(w * h[src], dst)`` (jax.ops).
+* ``jraph step`` (once, with the first graph): a message-passing step on a padded
+  batch of 64 random graphs whose senders and receivers are jit arguments (a new
+  batch every step, as jraph trains), ``jaxcsr.segment_sum`` in place of
+  ``jax.ops.segment_sum`` with the same arguments.
 
 ``copy`` (``v + 1``, read and write) gives the bandwidth the chip reaches in the same
 run; the segment rows report jaxcsr's GB/s (values read once, output written once) and
@@ -31,6 +39,8 @@ its share of that copy bandwidth. Writes ``tpu.json`` and ``tpu.md`` under ``--o
 from __future__ import annotations
 
 import argparse
+import functools
+import itertools
 import json
 import sys
 import time
@@ -81,10 +91,14 @@ def median_ms(fn, args, repeats: int) -> tuple[float, object]:
 
 
 def rel_err(a, b) -> float:
-    a, b = (np.asarray(jnp.asarray(t, jnp.float32), np.float64) for t in (a, b))
-    finite = np.isfinite(b)
-    scale = max(1.0, float(np.abs(b[finite]).max(initial=0.0)))
-    return float(np.abs(a[finite] - b[finite]).max(initial=0.0) / scale)
+    """Largest relative difference over the leaves of two outputs (finite entries)."""
+    worst = 0.0
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = (np.asarray(jnp.asarray(t, jnp.float32), np.float64) for t in (x, y))
+        finite = np.isfinite(y)
+        scale = max(1.0, float(np.abs(y[finite]).max(initial=0.0)))
+        worst = max(worst, float(np.abs(x[finite] - y[finite]).max(initial=0.0) / scale))
+    return worst
 
 
 def _loss_grad(fn):
@@ -190,6 +204,8 @@ def workloads(g, f: int, dtype, rng: np.random.Generator):
         },
         None,
     )
+    if f == 128 and dtype == jnp.float32:
+        yield gcn_step(g, adj, rng)
     if f <= 16:  # attention heads
         yield (
             "softmax",
@@ -199,6 +215,83 @@ def workloads(g, f: int, dtype, rng: np.random.Generator):
             },
             2 * e * f * size,
         )
+
+
+def _gcn_step(aggregate, params, x, labels):
+    """One SGD step of a two-layer GCN; ``aggregate(h)`` is ``Â @ h``."""
+
+    def loss(p):
+        h = jax.nn.relu(aggregate(x @ p["w1"]))
+        logits = aggregate(h @ p["w2"])
+        return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels, axis=1))
+
+    value, grads = jax.value_and_grad(loss)(params)
+    return value, jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
+
+
+def gcn_step(g, adj, rng: np.random.Generator, hidden: int = 128, classes: int = 2):
+    """``(workload, systems, None)`` for the GCN training step on graph ``g``."""
+    m = g.num_nodes
+    coo = adj.tocoo()
+    src, dst = jnp.asarray(coo.col, jnp.int32), jnp.asarray(coo.row, jnp.int32)
+    w = jnp.asarray(coo.data, jnp.float32)[:, None]
+    B = CSRMatrix.from_scipy(adj)
+    bcsr, _ = jax_sparse_twins(adj, np.float32)
+    params = {
+        "w1": jnp.asarray(rng.normal(0, hidden**-0.5, (hidden, hidden)), jnp.float32),
+        "w2": jnp.asarray(rng.normal(0, hidden**-0.5, (hidden, classes)), jnp.float32),
+    }
+    x = jnp.asarray(rng.uniform(-1, 1, (m, hidden)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, classes, (m, 1)), jnp.int32)
+    aggregators = {
+        "jaxcsr": lambda h: B @ h,
+        "jax.ops": lambda h: jax.ops.segment_sum(w * h[src], dst, m),
+        "bcsr": lambda h: bcsr @ h,
+    }
+    systems = {
+        name: (jax.jit(lambda p, a=agg: _gcn_step(a, p, x, labels)), (params,))
+        for name, agg in aggregators.items()
+    }
+    return "gcn step", systems, None
+
+
+def _jraph_batch(rng: np.random.Generator, graphs: int, nodes: int, edges: int):
+    """Senders and receivers of ``graphs`` random graphs concatenated (ids offset per
+    graph, edges in random order within each), plus one padding graph's node."""
+    offsets = np.repeat(np.arange(graphs) * nodes, edges)
+    senders = rng.integers(0, nodes, graphs * edges) + offsets
+    receivers = rng.integers(0, nodes, graphs * edges) + offsets
+    return jnp.asarray(senders, jnp.int32), jnp.asarray(receivers, jnp.int32)
+
+
+def jraph_step(rng: np.random.Generator, graphs=64, nodes=512, edges=4096, hidden=128):
+    """``(workload, systems, None)``: a message-passing training step on a padded
+    batch (jraph's ``GraphNetwork`` pattern: edge MLP on sender and receiver
+    features, sum to receivers, node MLP), ids as jit arguments."""
+    n = graphs * nodes + 1  # jraph pads with one extra node
+    senders, receivers = _jraph_batch(rng, graphs, nodes, edges)
+    params = {
+        "edge": jnp.asarray(rng.normal(0, (2 * hidden) ** -0.5, (2 * hidden, hidden)), jnp.float32),
+        "node": jnp.asarray(rng.normal(0, (2 * hidden) ** -0.5, (2 * hidden, hidden)), jnp.float32),
+    }
+    h = jnp.asarray(rng.uniform(-1, 1, (n, hidden)), jnp.float32)
+    target = jnp.asarray(rng.uniform(-1, 1, (n, hidden)), jnp.float32)
+
+    def step(segment, p, s, r):
+        def loss(p):
+            msg = jax.nn.relu(jnp.concatenate([h[s], h[r]], axis=1) @ p["edge"])
+            agg = segment(msg, r, n)
+            out = jnp.concatenate([h, agg], axis=1) @ p["node"]
+            return jnp.mean((out - target) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(p)
+        return value, jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
+
+    systems = {
+        name: (jax.jit(functools.partial(step, fn)), (params, senders, receivers))
+        for name, fn in (("jaxcsr", segment_sum), ("jax.ops", jax.ops.segment_sum))
+    }
+    return "jraph step", systems, None
 
 
 def _zero_empty(out):
@@ -232,7 +325,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
     rng = np.random.default_rng(0)
-    for graph in args.graphs.split(","):
+    for i, graph in enumerate(args.graphs.split(",")):
         g = load_graph(graph)
         for f in (int(w) for w in args.features.split(",")):
             for dtype in (jnp.dtype(d) for d in args.dtypes.split(",")):
@@ -240,7 +333,10 @@ def main(argv=None) -> None:
                     print(f"deadline: skipping {g.name} N={f} {dtype.name}", flush=True)
                     continue
                 copy_gbps = None
-                for workload, systems, nbytes in workloads(g, f, dtype, rng):
+                groups = workloads(g, f, dtype, rng)
+                if i == 0 and not rows:
+                    groups = itertools.chain(groups, [jraph_step(rng)])
+                for workload, systems, nbytes in groups:
                     cell = {
                         "graph": g.name,
                         "rows": g.num_nodes,

@@ -6,8 +6,10 @@ For each graph, feature width and dtype, times in one process (median of ``--rep
 calls after two warm-ups): a copy of the values (``v + 1``: the bandwidth floor), the
 XLA gather that puts input-order values in CSR order, ``jax.ops.segment_sum`` on
 input-order and on pre-sorted values, the windowed kernel alone on pre-sorted values
-for several tilings, ``A @ v`` (gather + kernel), the max kernel alone against
-``jax.ops.segment_max``, and traced ids. (Two earlier variants were measured with this
+for several tilings (sum and max), two stripped kernels that show what a step's
+one-hot and its MXU products cost (:func:`stripped`; their outputs are wrong by
+design), ``A @ v`` (gather + kernel) and ``max`` against ``jax.ops.segment_max``.
+(Two earlier variants were measured with this
 probe and removed: a row gather by one DMA per row, 3.5-4x slower than XLA's, and
 float32 at ``Precision.HIGHEST``, 11-25 % slower than three bfloat16 parts; see
 ``benchmarks/results/tpu-v5e/README.md``.) Kernel results are checked against float64
@@ -17,6 +19,7 @@ float32 at ``Precision.HIGHEST``, 11-25 % slower than three bfloat16 parts; see
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 from pathlib import Path
 
@@ -31,8 +34,32 @@ from benchmarks.hardware.on_tpu import median_ms
 from jaxcsr import CSRMatrix
 from jaxcsr.kernels import tpu
 
-TILINGS = ((1024, 128), (2048, 128), (2048, 256))
-CHUNKS = (128, 256, 512, 2048)
+TILINGS = ((2048, 32), (2048, 64), (2048, 128), (4096, 64), (4096, 128))
+"""``(block_k, window)`` pairs timed for the kernel alone."""
+
+
+@contextlib.contextmanager
+def stripped(part: str):
+    """The sum kernel without its one-hot (``part="onehot"``: a constant one) or
+    without its MXU products (``part="mxu"``: the one-hot reduced along lanes
+    instead), by swapping the kernel module's helper while a product is traced."""
+    name = {"onehot": "_onehot", "mxu": "_select"}[part]
+    saved = getattr(tpu, name)
+
+    def constant_onehot(rows, base, start, lo, window):
+        return jnp.ones((window, rows.shape[1]), jnp.bool_)
+
+    def no_mxu(onehot, values, num_parts):
+        hits = jnp.sum(onehot.astype(jnp.float32), axis=1, keepdims=True)
+        return hits + values[: onehot.shape[0], :].astype(jnp.float32)
+
+    setattr(tpu, name, constant_onehot if part == "onehot" else no_mxu)
+    jax.clear_caches()
+    try:
+        yield
+    finally:
+        setattr(tpu, name, saved)
+        jax.clear_caches()
 
 
 def probe(graph: str, widths, dtypes, repeats: int, emit, interpret: bool = False) -> None:
@@ -94,53 +121,28 @@ def probe(graph: str, widths, dtypes, repeats: int, emit, interpret: bool = Fals
             t = tpu.Tiling(bk, min(w, tpu.MAX_BLOCK_M), min(tpu.MAX_BLOCK_M, -(-m // 8) * 8))
             sched = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, t))
             rows = jnp.asarray(tpu._padded_rows(tpu._host_rows(indptr), bk, np))
-            for chunk in CHUNKS:
-                if chunk > bk:
-                    continue
+            steps = int(tpu.plan_schedule(indptr, t).num_steps)
+            for reduce in ("sum", "max"):
                 run(
-                    f"kernel alone k={bk} w={w} chunk={chunk} steps={sched.block.shape[0]}",
-                    lambda a, s=sched, r=rows, c=chunk: tpu.spmm(
-                        a, r, s, num_rows=m, interpret=interpret, chunk=c
+                    f"{reduce} kernel alone k={bk} w={w} steps={steps}",
+                    lambda a, s=sched, r=rows, red=reduce: tpu.spmm(
+                        a, r, s, num_rows=m, reduce=red, interpret=interpret
                     ),
                     vs,
-                    check=sum_err,
+                    check=sum_err if reduce == "sum" else None,
+                )
+        t = tpu.choose_tiling(m, e)
+        sched = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, t))
+        rows = jnp.asarray(tpu._padded_rows(tpu._host_rows(indptr), t.block_k, np))
+        for part in ("onehot", "mxu"):
+            with stripped(part):
+                run(
+                    f"sum kernel without its {part} k={t.block_k} w={t.window}",
+                    lambda a: tpu.spmm(a, rows, sched, num_rows=m, interpret=interpret),
+                    vs,
                 )
         run("A @ v (gather + kernel)", lambda a: A @ a, v, check=sum_err)
         run("A @ v impl=xla", lambda a: jaxcsr.matmul(A, a, impl="xla"), v)
-        run(
-            "traced jaxcsr.segment_sum",
-            lambda a, d: jaxcsr.segment_sum(a, d, m),
-            v,
-            dst,
-            check=sum_err,
-        )
-        run("traced jax.ops.segment_sum", lambda a, d: jax.ops.segment_sum(a, d, m), v, dst)
-        run(
-            "traced jaxcsr.segment_sum sorted ids",
-            lambda a, d: jaxcsr.segment_sum(a, d, m, indices_are_sorted=True),
-            vs,
-            dsts,
-            check=sum_err,
-        )
-        run(
-            "traced jax.ops.segment_sum sorted ids",
-            lambda a, d: jax.ops.segment_sum(a, d, m, indices_are_sorted=True),
-            vs,
-            dsts,
-        )
-        if f == widths[0] and dtype == dtypes[0]:
-            iota = jnp.arange(e, dtype=jnp.int32)
-            run(
-                "sort (ids, iota) stable",
-                lambda d: jax.lax.sort((d, iota), num_keys=1, is_stable=True),
-                dst,
-            )
-            run(
-                "sort (ids, iota) unstable",
-                lambda d: jax.lax.sort((d, iota), num_keys=1, is_stable=False),
-                dst,
-            )
-            run("sort one int32 key (a lower bound)", lambda d: jax.lax.sort(d * 0 + iota), dst)
         xla_max = np.asarray(jaxcsr.matmul(A, v, reduce="max", impl="xla"), np.float64)
 
         def max_same(out):
@@ -152,17 +154,6 @@ def probe(graph: str, widths, dtypes, repeats: int, emit, interpret: bool = Fals
             v,
             check=max_same,
         )
-        t = tpu.choose_tiling(m, e)
-        sched = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, t))
-        rows = jnp.asarray(tpu._padded_rows(tpu._host_rows(indptr), t.block_k, np))
-        for chunk in (256, 512, t.block_k):
-            run(
-                f"max kernel alone chunk={chunk}",
-                lambda a, c=chunk: tpu.spmm(
-                    a, rows, sched, num_rows=m, reduce="max", interpret=interpret, chunk=c
-                ),
-                vs,
-            )
         run("segment_max input order", lambda a: jax.ops.segment_max(a, dst, m), v)
         run(
             "segment_max pre-sorted",

@@ -24,10 +24,12 @@ matrix's ``(rows, nnz)`` only (:func:`choose_tiling`), as is the schedule's leng
 Precision: bfloat16 values go to the MXU as they are. float32 values are split into
 three bfloat16 parts (``hi + mid + lo`` holds all 24 bits of the mantissa) and multiply
 the exact 0/1 one-hot in three MXU passes accumulating in float32, so a float32 sum is
-exact to float32 rounding at half the MXU work of ``Precision.HIGHEST``. A window
-whose result is not finite (an inf or NaN anywhere in the block spreads through
-``0 * inf``) is redone on the finite values, plus per-row counts of NaN, +inf and -inf
-(exact 0/1 products) that give the IEEE result.
+exact to float32 rounding at half the MXU work of ``Precision.HIGHEST``. An inf or NaN
+anywhere in a block spreads over its whole window through ``0 * inf``, so the output of
+such a product is never finite: :func:`product` checks the (small) output and only
+then runs the kernel again with ``ieee=True``, which multiplies the finite values and
+adds per-row counts of NaN, +inf and -inf (exact 0/1 products) to give the IEEE result.
+Finite inputs pay no per-step check.
 
 ``reduce="max"``/``"min"`` uses the same schedule: a segmented scan along the block
 (``log2(block_k)`` shifted max/min steps, masked where the row id changes) leaves each
@@ -419,10 +421,6 @@ def _non_finite_select(onehot: jax.Array, values: jax.Array, num_parts: int) -> 
     return jnp.where(nan > 0, jnp.nan, out + odd)
 
 
-def _all_finite(x: jax.Array) -> jax.Array:
-    return jnp.max(jnp.where(jnp.isfinite(x), 0.0, 1.0)) == 0
-
-
 def _chunks(tiling: Tiling, chunk: int, body, init):
     """``body(offset, carry)`` over the block's chunks of ``chunk`` nonzeros."""
 
@@ -432,9 +430,7 @@ def _chunks(tiling: Tiling, chunk: int, body, init):
     return lax.fori_loop(0, tiling.block_k // chunk, step, init)
 
 
-def _sum_kernel(
-    block_ref, tile_ref, span_ref, rows_ref, vals_ref, o_ref, *, tiling, chunk, num_parts
-):
+def _sum_kernel(block_ref, tile_ref, span_ref, rows_ref, vals_ref, o_ref, *, tiling, chunk, select):
     del block_ref
     s = pl.program_id(1)
     tile, flags, start, lo = _step_fields(tile_ref, span_ref, s)
@@ -445,29 +441,16 @@ def _sum_kernel(
     def _zero():
         o_ref[...] = jnp.zeros_like(o_ref)
 
-    def window_sum(select):
+    @pl.when((flags & SKIP) == 0)
+    def _accumulate():
         def body(offset, acc):
             rows = rows_ref[:, pl.ds(offset, chunk)]
             onehot = _onehot(rows, base, start, lo, tiling.window)
-            return acc + select(onehot, vals_ref[pl.ds(offset, chunk), :], num_parts)
+            return acc + select(onehot, vals_ref[pl.ds(offset, chunk), :])
 
-        return _chunks(tiling, chunk, body, jnp.zeros(shape, jnp.float32))
-
-    @pl.when((flags & SKIP) == 0)
-    def _accumulate():
-        window = pl.ds(start, tiling.window)
-        part = window_sum(_select)
-        # 0 * inf is NaN on the MXU: one inf/NaN anywhere in the block spreads over the
-        # window; such a window is redone with IEEE semantics
-        finite = _all_finite(part)
-
-        @pl.when(finite)
-        def _add():
-            o_ref[window, :] += part
-
-        @pl.when(jnp.logical_not(finite))
-        def _add_non_finite():
-            o_ref[window, :] += window_sum(_non_finite_select)
+        o_ref[pl.ds(start, tiling.window), :] += _chunks(
+            tiling, chunk, body, jnp.zeros(shape, jnp.float32)
+        )
 
 
 _REDUCERS = {"max": (-jnp.inf, jnp.maximum), "min": (jnp.inf, jnp.minimum)}
@@ -506,7 +489,7 @@ def _extreme_kernel(
     *,
     tiling,
     chunk,
-    num_parts,
+    select,
     reduce,
 ):
     s = pl.program_id(1)
@@ -534,7 +517,8 @@ def _extreme_kernel(
     def _fill():
         o_ref[...] = jnp.full(o_ref.shape, identity, o_ref.dtype)
 
-    def picked(select):
+    @pl.when((flags & SKIP) == 0)
+    def _reduce():
         def body(offset, carry):
             acc, present = carry
             rows = rows_ref[:, pl.ds(offset, chunk)]
@@ -543,34 +527,18 @@ def _extreme_kernel(
             last = (next_ref[:, pl.ds(offset, chunk)] != rows) | (lane == tiling.block_k - 1)
             pick = onehot & last  # each row's last nonzero of the block
             hit = jnp.max(jnp.where(pick, 1.0, 0.0), axis=1, keepdims=True)
-            acc = acc + select(pick, scan_ref[pl.ds(offset, chunk), :], num_parts)
+            acc = acc + select(pick, scan_ref[pl.ds(offset, chunk), :])
             return acc, jnp.maximum(present, hit)
 
         init = (
             jnp.zeros((tiling.window, width), jnp.float32),
             jnp.zeros((tiling.window, 1), jnp.float32),
         )
-        return _chunks(tiling, chunk, body, init)
-
-    @pl.when((flags & SKIP) == 0)
-    def _reduce():
+        part, present = _chunks(tiling, chunk, body, init)
         window = pl.ds(start, tiling.window)
-        part, present = picked(_select)
-
-        def combine_into(part):
-            current = o_ref[window, :]
-            merged = jnp.where(jnp.isnan(current), current, combine(current, part))
-            o_ref[window, :] = jnp.where(present > 0, merged, current)
-
-        finite = _all_finite(part)
-
-        @pl.when(finite)
-        def _combine():
-            combine_into(part)
-
-        @pl.when(jnp.logical_not(finite))
-        def _combine_non_finite():
-            combine_into(picked(_non_finite_select)[0])
+        current = o_ref[window, :]
+        merged = jnp.where(jnp.isnan(current), current, combine(current, part))
+        o_ref[window, :] = jnp.where(present > 0, merged, current)
 
 
 def _feature_block(f: int, block_k: int) -> int:
@@ -593,6 +561,7 @@ def spmm(
     reduce: str = "sum",
     interpret: bool | pltpu.InterpretParams = False,
     chunk: int | None = None,
+    ieee: bool = False,
 ) -> jax.Array:
     """``out[rows[k]] += values[k]`` as windowed one-hot MXU products, in float32.
 
@@ -611,6 +580,11 @@ def spmm(
       chunk: nonzeros per MXU product inside a block (a multiple of 128 dividing
         ``block_k``). Default: the whole block for sums, :data:`EXTREME_CHUNK` for
         max/min (the fastest measured on a v5e).
+      ieee: take inf and NaN values the IEEE way (finite values through the MXU plus
+        per-row counts of NaN, +inf and -inf: about twice the MXU work). Without it
+        an inf or NaN value makes its whole window NaN (``0 * inf``), so the output
+        is not finite exactly when a value was not (or a sum overflowed):
+        :func:`product` reruns such products with ``ieee=True``.
 
     Returns:
       ``(m, F)`` float32.
@@ -622,6 +596,7 @@ def spmm(
     if t.block_k % chunk or chunk % 128:
         raise ValueError(f"chunk must be a multiple of 128 dividing {t.block_k}, got {chunk}")
     num_parts = 1 if values.dtype == jnp.bfloat16 else 3
+    select = functools.partial(_non_finite_select if ieee else _select, num_parts=num_parts)
     nnz, f = values.shape
     num_k = rows.shape[1] // t.block_k
     num_m = max(1, -(-num_rows // t.block_m))
@@ -631,11 +606,11 @@ def spmm(
     val_spec = pl.BlockSpec((t.block_k, block_n), lambda j, s, b, tl, sp: (b[s], j))
     out_spec = pl.BlockSpec((t.block_m, block_n), lambda j, s, b, tl, sp: (tl[s] >> _FLAG_BITS, j))
     if reduce == "sum":
-        kernel = functools.partial(_sum_kernel, tiling=t, chunk=chunk, num_parts=num_parts)
+        kernel = functools.partial(_sum_kernel, tiling=t, chunk=chunk, select=select)
         in_specs, operands, scratch = [row_spec, val_spec], [rows, values], []
     elif reduce in _REDUCERS:
         kernel = functools.partial(
-            _extreme_kernel, tiling=t, chunk=chunk, num_parts=num_parts, reduce=reduce
+            _extreme_kernel, tiling=t, chunk=chunk, select=select, reduce=reduce
         )
         following = jnp.concatenate([rows[:, 1:], jnp.full((1, 1), -1, rows.dtype)], axis=1)
         in_specs = [row_spec, row_spec, val_spec]
@@ -658,7 +633,7 @@ def spmm(
             dimension_semantics=("parallel", "arbitrary"), vmem_limit_bytes=VMEM_LIMIT_BYTES
         ),
         interpret=interpret,
-        name=f"jaxcsr_window_spmm_{reduce}",
+        name=f"jaxcsr_window_spmm_{reduce}{'_ieee' if ieee else ''}",
     )(schedule.block, schedule.tile, schedule.span, *operands)
     return out[:num_rows]
 
@@ -703,8 +678,8 @@ def product(
     """Backend entry: the viewed matrix (not one-per-row: :func:`covers`) times ``x``.
 
     Puts the values in CSR order (XLA; nothing to move for sorted ids), runs the
-    windowed kernel (float32 out), zeroes empty rows of max/min and casts to
-    ``out_dtype``.
+    windowed kernel (float32 out; again with ``ieee=True`` if the output is not
+    finite), zeroes empty rows of max/min and casts to ``out_dtype``.
     """
     if reduce != "sum" and data is not None:
         # Weighted max/min: on a TPU v5e the kernel's maximum differed in its last bits
@@ -732,7 +707,8 @@ def product(
         tiles, rows = tpu_plan.t_tiles, tpu_plan.t_rows
     else:
         tiles, rows = tpu_plan.tiles, tpu_plan.rows
-    out = spmm(
+    run = functools.partial(
+        spmm,
         values,
         rows,
         tiles,
@@ -743,7 +719,20 @@ def product(
         # generic Pallas interpreter and tests run the kernel under both.
         interpret=interpret,
     )
-    if reduce != "sum":  # the kernel leaves -inf/+inf in empty rows
-        nonempty = jnp.diff(structure.view_indptr()) > 0
-        out = jnp.where(nonempty[:, None], out, jnp.zeros((), out.dtype))
+    out = _zero_empty(run(), structure, reduce)
+    # Not finite only if some value was not (or a float32 sum overflowed): then the
+    # IEEE kernel runs (spmm's ``ieee``); finite inputs pay one pass over the output.
+    out = lax.cond(
+        jnp.all(jnp.isfinite(out)),
+        lambda: out,
+        lambda: _zero_empty(run(ieee=True), structure, reduce),
+    )
     return out.astype(out_dtype)
+
+
+def _zero_empty(out: jax.Array, structure: Structure, reduce: str) -> jax.Array:
+    """Max/min: rows without nonzeros hold 0, not the kernel's -inf/+inf."""
+    if reduce == "sum":
+        return out
+    nonempty = jnp.diff(structure.view_indptr()) > 0
+    return jnp.where(nonempty[:, None], out, jnp.zeros((), out.dtype))
