@@ -147,24 +147,6 @@ def test_fast_kernel_output_is_finite_only_when_right(rng, reduce):
             assert not np.isfinite(fast).all() or np.array_equal(fast, got), k
 
 
-@pytest.mark.parametrize("reduce", ["sum", "max", "min"])
-def test_value_streams_change_no_bit(rng, reduce):
-    """A block fetched in 1, 2 or 4 parts (spmm's ``streams``) gives the same bits."""
-    tiling = tpu.Tiling(block_k=512, window=16, block_m=64)
-    num_rows = 3 * tiling.block_m + 5
-    idx = np.sort(_skewed_ids(rng, 1500, num_rows, 2 * tiling.block_m))
-    indptr, _ = plan.segment_ids_to_csr(idx, num_rows)
-    vals = random_values(rng, (1500, 3)).astype(np.float32)
-    outs = [
-        np.asarray(_kernel_sum(vals, indptr, num_rows, tiling, reduce=reduce, streams=k, chunk=128))
-        for k in (1, 2, 4)
-    ]
-    np.testing.assert_array_equal(outs[0], outs[1])
-    np.testing.assert_array_equal(outs[0], outs[2])
-    with pytest.raises(ValueError, match="streams"):
-        _kernel_sum(vals, indptr, num_rows, tiling, streams=3)
-
-
 def test_grads_through_the_kernel(rng):
     assert_kernel_grads(tpu_matmul, rng, 13, 9)
 

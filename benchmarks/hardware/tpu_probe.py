@@ -6,15 +6,14 @@ For each graph, feature width and dtype, times in one process (median of ``--rep
 calls after two warm-ups): a copy of the values (``v + 1``: the bandwidth floor), the
 XLA gather that puts input-order values in CSR order, ``jax.ops.segment_sum`` on
 input-order and on pre-sorted values, the windowed kernel alone on pre-sorted values
-for several tilings and numbers of DMA streams (sum and max), two stripped kernels
-that show what a step's one-hot and its MXU products cost (:func:`stripped`; their
-outputs are wrong by design), ``A @ v`` (gather + kernel) and ``max`` against
-``jax.ops.segment_max``. Earlier variants, measured with this probe and removed: a
-row gather by one DMA per row (3.5-4x slower than XLA's), float32 at
-``Precision.HIGHEST`` (11-25 % slower than three bfloat16 parts), windows of 32 rows
-and a per-step finiteness check (see ``benchmarks/results/tpu-v5e/README.md``).
-Kernel results are checked against float64 (sums) and the XLA path (max, bit for
-bit). Writes ``probe.json`` under ``--out``.
+for several tilings (sum and max), two stripped kernels that show what a step's
+one-hot and its MXU products cost (:func:`stripped`; their outputs are wrong by
+design), ``A @ v`` (gather + kernel) and ``max`` against ``jax.ops.segment_max``.
+(Two earlier variants were measured with this
+probe and removed: a row gather by one DMA per row, 3.5-4x slower than XLA's, and
+float32 at ``Precision.HIGHEST``, 11-25 % slower than three bfloat16 parts; see
+``benchmarks/results/tpu-v5e/README.md``.) Kernel results are checked against float64
+(sums) and the XLA path (max, bit for bit). Writes ``probe.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -35,8 +34,8 @@ from benchmarks.hardware.on_tpu import median_ms
 from jaxcsr import CSRMatrix
 from jaxcsr.kernels import tpu
 
-TILINGS = ((2048, 64, (1, 2, 4)), (2048, 128, (1, 2, 4, 8)), (4096, 128, (2, 4, 8)))
-"""``(block_k, window, streams)`` timed for the kernel alone."""
+TILINGS = ((2048, 32), (2048, 64), (2048, 128), (4096, 64), (4096, 128))
+"""``(block_k, window)`` pairs timed for the kernel alone."""
 
 
 @contextlib.contextmanager
@@ -118,23 +117,20 @@ def probe(graph: str, widths, dtypes, repeats: int, emit, interpret: bool = Fals
             vs,
             check=sum_err,
         )
-        for bk, w, streams in TILINGS:
+        for bk, w in TILINGS:
             t = tpu.Tiling(bk, min(w, tpu.MAX_BLOCK_M), min(tpu.MAX_BLOCK_M, -(-m // 8) * 8))
             sched = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, t))
             rows = jnp.asarray(tpu._padded_rows(tpu._host_rows(indptr), bk, np))
             steps = int(tpu.plan_schedule(indptr, t).num_steps)
             for reduce in ("sum", "max"):
-                for k in streams:
-                    if reduce == "max" and (bk, w) != (2048, 128):
-                        continue
-                    run(
-                        f"{reduce} kernel alone k={bk} w={w} streams={k} steps={steps}",
-                        lambda a, s=sched, r=rows, red=reduce, k=k: tpu.spmm(
-                            a, r, s, num_rows=m, reduce=red, interpret=interpret, streams=k
-                        ),
-                        vs,
-                        check=sum_err if reduce == "sum" else None,
-                    )
+                run(
+                    f"{reduce} kernel alone k={bk} w={w} steps={steps}",
+                    lambda a, s=sched, r=rows, red=reduce: tpu.spmm(
+                        a, r, s, num_rows=m, reduce=red, interpret=interpret
+                    ),
+                    vs,
+                    check=sum_err if reduce == "sum" else None,
+                )
         t = tpu.choose_tiling(m, e)
         sched = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, t))
         rows = jnp.asarray(tpu._padded_rows(tpu._host_rows(indptr), t.block_k, np))

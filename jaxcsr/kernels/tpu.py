@@ -86,8 +86,6 @@ VMEM_LIMIT_BYTES = 64 * 2**20
 """Scoped VMEM the kernel may use (a v5e core has 128 MiB)."""
 EXTREME_CHUNK = 512
 """Nonzeros per segmented scan and selection product of max/min inside a block."""
-STREAMS = 2
-"""Parts a value block is fetched in, each its own DMA (see :func:`spmm`)."""
 MAX_BLOCK_ELEMENTS = 2**19
 """Largest value block, ``block_k * block_n`` elements (2 MiB of float32)."""
 
@@ -432,25 +430,8 @@ def _chunks(tiling: Tiling, chunk: int, body, init):
     return lax.fori_loop(0, tiling.block_k // chunk, step, init)
 
 
-def _value_chunks(vals_refs, chunk: int, body, init):
-    """``body(offset, values, carry)`` over the block's chunks of ``chunk`` nonzeros,
-    ``values`` read from the part of the block (:func:`spmm`'s ``streams``) that
-    holds them; ``offset`` counts from the block's start."""
-    carry = init
-    for i, ref in enumerate(vals_refs):
-        sub = ref.shape[0]
-
-        def step(c, carry, ref=ref, first=i * sub):
-            local = pl.multiple_of(c * chunk, chunk)
-            return body(first + local, ref[pl.ds(local, chunk), :], carry)
-
-        carry = lax.fori_loop(0, sub // chunk, step, carry)
-    return carry
-
-
-def _sum_kernel(block_ref, tile_ref, span_ref, rows_ref, *refs, tiling, chunk, select):
+def _sum_kernel(block_ref, tile_ref, span_ref, rows_ref, vals_ref, o_ref, *, tiling, chunk, select):
     del block_ref
-    *vals_refs, o_ref = refs
     s = pl.program_id(1)
     tile, flags, start, lo = _step_fields(tile_ref, span_ref, s)
     base = tile * tiling.block_m
@@ -462,13 +443,13 @@ def _sum_kernel(block_ref, tile_ref, span_ref, rows_ref, *refs, tiling, chunk, s
 
     @pl.when((flags & SKIP) == 0)
     def _accumulate():
-        def body(offset, values, acc):
+        def body(offset, acc):
             rows = rows_ref[:, pl.ds(offset, chunk)]
             onehot = _onehot(rows, base, start, lo, tiling.window)
-            return acc + select(onehot, values)
+            return acc + select(onehot, vals_ref[pl.ds(offset, chunk), :])
 
-        o_ref[pl.ds(start, tiling.window), :] += _value_chunks(
-            vals_refs, chunk, body, jnp.zeros(shape, jnp.float32)
+        o_ref[pl.ds(start, tiling.window), :] += _chunks(
+            tiling, chunk, body, jnp.zeros(shape, jnp.float32)
         )
 
 
@@ -502,13 +483,15 @@ def _extreme_kernel(
     span_ref,
     rows_ref,
     next_ref,
-    *refs,
+    vals_ref,
+    o_ref,
+    scan_ref,
+    *,
     tiling,
     chunk,
     select,
     reduce,
 ):
-    *vals_refs, o_ref, scan_ref = refs
     s = pl.program_id(1)
     identity, combine = _REDUCERS[reduce]
     tile, flags, start, lo = _step_fields(tile_ref, span_ref, s)
@@ -517,17 +500,18 @@ def _extreme_kernel(
 
     @pl.when((s == 0) | (block_ref[s] != block_ref[jnp.maximum(s - 1, 0)]))
     def _scan():
-        def body(offset, vals, carry):
+        def body(offset, carry):
             carry_row, carry_vals = carry
             col = _row_column(rows_ref[:, pl.ds(offset, chunk)])
-            vals = _segmented_scan(vals.astype(jnp.float32), col, combine)
+            vals = vals_ref[pl.ds(offset, chunk), :].astype(jnp.float32)
+            vals = _segmented_scan(vals, col, combine)
             # the previous chunk's last row continues here
             vals = jnp.where(col == carry_row, combine(vals, carry_vals), vals)
             scan_ref[pl.ds(offset, chunk), :] = vals
             return col[chunk - 1 :, :], vals[chunk - 1 :, :]
 
         init = (jnp.full((1, 1), -2.0, jnp.float32), jnp.zeros((1, width), jnp.float32))
-        _value_chunks(vals_refs, chunk, body, init)
+        _chunks(tiling, chunk, body, init)
 
     @pl.when((flags & FIRST) != 0)
     def _fill():
@@ -578,7 +562,6 @@ def spmm(
     interpret: bool | pltpu.InterpretParams = False,
     chunk: int | None = None,
     ieee: bool = False,
-    streams: int | None = None,
 ) -> jax.Array:
     """``out[rows[k]] += values[k]`` as windowed one-hot MXU products, in float32.
 
@@ -595,32 +578,23 @@ def spmm(
       reduce: ``"sum"``, ``"max"`` or ``"min"``.
       interpret: ``True`` or ``pltpu.InterpretParams()`` to run on CPU.
       chunk: nonzeros per MXU product inside a block (a multiple of 128 dividing
-        ``block_k / streams``). Default: a whole stream's part for sums,
-        :data:`EXTREME_CHUNK` for max/min (the fastest measured on a v5e).
+        ``block_k``). Default: the whole block for sums, :data:`EXTREME_CHUNK` for
+        max/min (the fastest measured on a v5e).
       ieee: take inf and NaN values the IEEE way (finite values through the MXU plus
         per-row counts of NaN, +inf and -inf: about twice the MXU work). Without it
         an inf or NaN value makes its whole window NaN (``0 * inf``), so the output
         is not finite exactly when a value was not (or a sum overflowed):
         :func:`product` reruns such products with ``ieee=True``.
-      streams: the value block is fetched as this many parts of ``block_k /
-        streams`` rows, each its own (double-buffered) DMA, so that several copies
-        are in flight. Default: :data:`STREAMS`, or fewer where parts would be
-        under 128 rows.
 
     Returns:
       ``(m, F)`` float32.
     """
     t = schedule.tiling
-    if streams is None:
-        streams = math.gcd(STREAMS, t.block_k // 128)
-    sub = t.block_k // streams
-    if streams < 1 or t.block_k % streams or sub % 128:
-        raise ValueError(f"streams must split {t.block_k} into multiples of 128, got {streams}")
     if chunk is None:
-        chunk = sub if reduce == "sum" else EXTREME_CHUNK
-    chunk = min(chunk, sub)
-    if sub % chunk or chunk % 128:
-        raise ValueError(f"chunk must be a multiple of 128 dividing {sub}, got {chunk}")
+        chunk = t.block_k if reduce == "sum" else EXTREME_CHUNK
+    chunk = min(chunk, t.block_k)
+    if t.block_k % chunk or chunk % 128:
+        raise ValueError(f"chunk must be a multiple of 128 dividing {t.block_k}, got {chunk}")
     num_parts = 1 if values.dtype == jnp.bfloat16 else 3
     select = functools.partial(_non_finite_select if ieee else _select, num_parts=num_parts)
     nnz, f = values.shape
@@ -629,27 +603,25 @@ def spmm(
     values = jnp.pad(values, ((0, num_k * t.block_k - nnz), (0, 0)))
     block_n = _feature_block(f, t.block_k)
     row_spec = pl.BlockSpec((1, t.block_k), lambda j, s, b, tl, sp: (0, b[s]))
-    val_specs = [
-        pl.BlockSpec((sub, block_n), lambda j, s, b, tl, sp, i=i: (b[s] * streams + i, j))
-        for i in range(streams)
-    ]
+    val_spec = pl.BlockSpec((t.block_k, block_n), lambda j, s, b, tl, sp: (b[s], j))
     out_spec = pl.BlockSpec((t.block_m, block_n), lambda j, s, b, tl, sp: (tl[s] >> _FLAG_BITS, j))
     if reduce == "sum":
         kernel = functools.partial(_sum_kernel, tiling=t, chunk=chunk, select=select)
-        in_specs, operands, scratch = [row_spec], [rows], []
+        in_specs, operands, scratch = [row_spec, val_spec], [rows, values], []
     elif reduce in _REDUCERS:
         kernel = functools.partial(
             _extreme_kernel, tiling=t, chunk=chunk, select=select, reduce=reduce
         )
         following = jnp.concatenate([rows[:, 1:], jnp.full((1, 1), -1, rows.dtype)], axis=1)
-        in_specs, operands = [row_spec, row_spec], [rows, following]
+        in_specs = [row_spec, row_spec, val_spec]
+        operands = [rows, following, values]
         scratch = [pltpu.VMEM((t.block_k, block_n), jnp.float32)]
     else:
         raise ValueError(f"reduce must be 'sum', 'max' or 'min', got {reduce!r}")
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(f // block_n, schedule.block.shape[0]),
-        in_specs=in_specs + val_specs,
+        in_specs=in_specs,
         out_specs=out_spec,
         scratch_shapes=scratch,
     )
@@ -662,7 +634,7 @@ def spmm(
         ),
         interpret=interpret,
         name=f"jaxcsr_window_spmm_{reduce}{'_ieee' if ieee else ''}",
-    )(schedule.block, schedule.tile, schedule.span, *operands, *[values] * streams)
+    )(schedule.block, schedule.tile, schedule.span, *operands)
     return out[:num_rows]
 
 
