@@ -9,11 +9,12 @@ input-order and on pre-sorted values, the windowed kernel alone on pre-sorted va
 for several tilings (sum and max), two stripped kernels that show what a step's
 one-hot and its MXU products cost (:func:`stripped`; their outputs are wrong by
 design), ``A @ v`` (gather + kernel) and ``max`` against ``jax.ops.segment_max``.
-(Two earlier variants were measured with this
-probe and removed: a row gather by one DMA per row, 3.5-4x slower than XLA's, and
-float32 at ``Precision.HIGHEST``, 11-25 % slower than three bfloat16 parts; see
-``benchmarks/results/tpu-v5e/README.md``.) Kernel results are checked against float64
-(sums) and the XLA path (max, bit for bit). Writes ``probe.json`` under ``--out``.
+Earlier variants, measured with this probe and removed: a row gather by one DMA per
+row (3.5-4x slower than XLA's), float32 at ``Precision.HIGHEST`` (11-25 % slower than
+three bfloat16 parts), a per-step finiteness check, and each value block fetched as
+2-8 concurrent DMAs (no change; see ``benchmarks/results/tpu-v5e/README.md``).
+Kernel results are checked against float64 (sums) and the XLA path (max, bit for
+bit). Writes ``probe.json`` under ``--out``.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from benchmarks.hardware.on_tpu import median_ms
 from jaxcsr import CSRMatrix
 from jaxcsr.kernels import tpu
 
-TILINGS = ((2048, 32), (2048, 64), (2048, 128), (4096, 64), (4096, 128))
+TILINGS = ((2048, 64), (2048, 128), (4096, 128))
 """``(block_k, window)`` pairs timed for the kernel alone."""
 
 
