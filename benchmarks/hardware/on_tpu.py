@@ -26,7 +26,7 @@ reports the ratio to the best peer. Workloads:
   gradient, SGD update) of a two-layer GCN with 128 hidden features on random
   ``(m, 128)`` node features, aggregating with ``Â @ h`` (jaxcsr, BCSR) or
   ``segment_sum(w * h[src], dst)`` (jax.ops).
-* ``jraph step`` (once, with the first graph): a message-passing step on a padded
+* ``jraph step`` (once per ``tpu.json``): a message-passing step on a padded
   batch of 64 random graphs whose senders and receivers are jit arguments (a new
   batch every step, as jraph trains), ``jaxcsr.segment_sum`` in place of
   ``jax.ops.segment_sum`` with the same arguments.
@@ -314,6 +314,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="benchmarks/results/tpu-latest")
     p.add_argument("--deadline", type=float, default=None, help="seconds; stop starting groups")
     p.add_argument("--any-platform", action="store_true", help="smoke run off a TPU")
+    p.add_argument("--append", action="store_true", help="add to --out's tpu.json")
     args = p.parse_args(argv)
     if args.schedule_stats:
         print("\n".join(schedule_stats()))
@@ -324,8 +325,10 @@ def main(argv=None) -> None:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows: list[dict] = []
+    if args.append and (out / "tpu.json").exists():
+        rows = json.loads((out / "tpu.json").read_text())
     rng = np.random.default_rng(0)
-    for i, graph in enumerate(args.graphs.split(",")):
+    for graph in args.graphs.split(","):
         g = load_graph(graph)
         for f in (int(w) for w in args.features.split(",")):
             for dtype in (jnp.dtype(d) for d in args.dtypes.split(",")):
@@ -334,7 +337,7 @@ def main(argv=None) -> None:
                     continue
                 copy_gbps = None
                 groups = workloads(g, f, dtype, rng)
-                if i == 0 and not rows:
+                if not any(r["workload"] == "jraph step" for r in rows):
                     groups = itertools.chain(groups, [jraph_step(rng)])
                 for workload, systems, nbytes in groups:
                     cell = {
