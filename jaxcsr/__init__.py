@@ -20,6 +20,7 @@ from jaxcsr.segment import (
     segment_mean,
     segment_min,
     segment_order,
+    segment_prod,
     segment_softmax,
     segment_sum,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "segment_mean",
     "segment_min",
     "segment_order",
+    "segment_prod",
     "segment_softmax",
     "segment_sum",
     "shard",

@@ -7,18 +7,18 @@ num_segments)`` and computes ``matmul(A, data, reduce=...)``. The ids may be
   planned on the host once and cached by the ids' value (:func:`segment_matrix`), so
   calling again with equal ids -- eagerly, or when a jitted function is retraced --
   plans nothing. Finding the matrix costs a hash of the ids on every *eager* call:
-  in an eager loop, build the matrix once and call ``matmul(A, data)``. Out-of-range
-  ids raise ``ValueError`` unless ``mode`` says otherwise.
+  in an eager loop, build the matrix once and call ``matmul(A, data)``.
 * **traced** (a new graph at every step: jraph's ``receivers``, a padded batch):
   planned on the device inside the trace (:mod:`jaxcsr.device_plan`), with
-  ``jax.ops``' semantics -- out-of-range ids are dropped, ``indices_are_sorted=True``
-  skips the sort -- and one compilation per padded size. ``num_segments`` must be a
-  Python int.
+  ``indices_are_sorted=True`` skipping the sort, and one compilation per padded
+  size. ``num_segments`` must be a Python int.
 
-Differences from ``jax.ops`` (``docs/migration.md``): empty segments give 0 for
-``segment_max``/``segment_min`` (torch_scatter's convention; ``jax.ops`` gives
-``-inf``/``+inf``), and ``axis`` (which ``jax.ops`` lacks) picks the segmented axis
-of ``data``; ``axis=-1`` is the last-axis scatter ``data @ A.T``.
+By default every function behaves as its ``jax.ops`` namesake: out-of-range and
+negative ids are dropped (:data:`MODES`), empty segments of max/min hold the dtype's
+identity. Additions (``docs/migration.md``): ``mode="check"`` raises on out-of-range
+concrete ids, ``empty=`` sets max/min's empty value, ``return_arg`` returns the
+attaining positions, and ``axis`` picks the segmented axis of ``data``; ``axis=-1``
+is the last-axis scatter ``data @ A.T``.
 """
 
 from __future__ import annotations
@@ -45,18 +45,24 @@ from jaxcsr.validation import (
 )
 
 __all__ = ["MODES", "segment_matrix", "segment_sum", "segment_mean", "segment_max", "segment_min"]
+__all__ += ["segment_prod"]
 __all__ += ["segment_softmax", "segment_log_softmax", "segment_logsumexp"]
 
 Size = int | None  # num_segments, bucket_size: None means "from the data"
 Mode = str | None
 Impl = str | None
 
-MODES: tuple[Mode, ...] = (None, "promise_in_bounds", "drop", "fill", "clip")
-"""Accepted ``mode`` values. Concrete ids: ``None``/``"promise_in_bounds"`` raise
-``ValueError`` on out-of-range ids; ``"drop"``/``"fill"`` leave those entries out;
-``"clip"`` clips ids into ``[0, num_segments)``. Traced ids (whose values are not
-known at trace time) drop out-of-range entries for every mode but ``"clip"``, as
-``jax.ops`` does."""
+MODES: tuple[Mode, ...] = (None, "promise_in_bounds", "drop", "fill", "clip", "check")
+"""Accepted ``mode`` values, as in ``jax.ops`` plus ``"check"``. ``None`` (the
+default), ``"drop"``, ``"fill"`` and ``"promise_in_bounds"`` leave out entries whose
+id is negative or ``>= num_segments``, concrete or traced, as ``jax.ops`` does;
+``"clip"`` clips ids into ``[0, num_segments)``; ``"check"`` raises ``ValueError``
+naming the first out-of-range id (concrete ids only: traced ids cannot be checked
+at trace time)."""
+
+_xla_segment_prod = jax.ops.segment_prod
+"""XLA's scatter-multiply, bound at import (a caller may swap ``jax.ops``' functions
+for jaxcsr's, as the upstream conformance runs do)."""
 
 CACHE_SIZE = 64
 """Most matrices :func:`segment_matrix` keeps (least recently used are evicted)."""
@@ -75,6 +81,11 @@ def _host_ids(segment_ids: Any) -> np.ndarray:
 def _traced_matrix(segment_ids, num_segments, mode, backends, sorted_ids: bool) -> CSRMatrix:
     """The device-planned matrix of traced ids (no cache: planned in every trace)."""
     ids = check_traced_ids(segment_ids, "segment_ids")
+    if mode == "check":
+        raise ValueError(
+            "mode='check' needs concrete segment_ids: traced ids are not known until "
+            "the computation runs (the other modes drop or clip out-of-range ids)"
+        )
     if num_segments is None:
         raise TypeError(
             "num_segments must be given (a Python int) when segment_ids are traced: "
@@ -135,7 +146,7 @@ def segment_matrix(
     Args:
       segment_ids: 1-D integer array. Concrete ids are planned on the host and the
         matrix is cached by their value; traced ids are planned on the device in
-        the trace (not cached; out-of-range ids dropped, see :data:`MODES`).
+        the trace (not cached). Out-of-range ids are dropped (see :data:`MODES`).
       num_segments: number of segments; ``None`` means ``max(segment_ids) + 1``
         (0 for no ids), as in ``jax.ops`` (concrete ids only).
       mode: one of :data:`MODES`.
@@ -149,8 +160,8 @@ def segment_matrix(
       with dropped ids left out).
 
     Raises:
-      ValueError: non-1-D ids, out-of-range concrete ids (unless ``mode`` says
-        otherwise), negative ``num_segments``, unknown ``mode``.
+      ValueError: non-1-D ids, out-of-range ids with ``mode="check"`` (or traced ids
+        with it), negative ``num_segments``, unknown ``mode``.
       TypeError: non-integer ids or ``num_segments``; a traced ``num_segments``, or
         none with traced ids.
     """
@@ -170,14 +181,14 @@ def segment_matrix(
         if key in _cache:
             _cache.move_to_end(key)
             return _cache[key]
-    if mode in ("drop", "fill"):
-        keep = (ids >= 0) & (ids < num_segments)
+    if mode == "clip" and num_segments > 0:
+        ids = np.clip(ids, 0, num_segments - 1)
+    keep = (ids >= 0) & (ids < num_segments)
+    if mode != "check" and not keep.all():  # jax.ops: out-of-range entries are left out
         kept, num_segments = check_segment_ids(ids[keep], num_segments, names=names)
         shape = (num_segments, ids.size)
         matrix = CSRMatrix.from_coo(kept, np.flatnonzero(keep), shape=shape, backends=backends)
     else:
-        if mode == "clip" and num_segments > 0:
-            ids = np.clip(ids, 0, num_segments - 1)
         ids, num_segments = check_segment_ids(ids, num_segments, names=names)
         matrix = CSRMatrix.from_indices(ids, num_rows=num_segments, backends=backends)
     with _cache_lock:
@@ -218,8 +229,10 @@ def _prepare(
 ) -> tuple:
     """Validates (dtype first, before any planning), plans, and moves ``axis`` first.
     ``name`` is what errors call ``data``; ``floating`` asks for a floating dtype;
-    ``sorted_ids`` is ``indices_are_sorted``."""
+    ``sorted_ids`` is ``indices_are_sorted``. Like ``jax.ops``, a 0-d ``data`` (or a
+    length-1 leading axis) is broadcast to every id."""
     data = as_numeric(data, name, floating=floating)
+    data = _broadcast_to_ids(data, segment_ids, axis)
     axis = _check_axis(data, axis)
     backends = _backends_for(impl)
     A = segment_matrix(
@@ -233,20 +246,61 @@ def _prepare(
     return A, jnp.moveaxis(data, axis, 0), axis
 
 
-def _reduce(data, segment_ids, num_segments, sorted_ids, mode, axis, return_arg, impl, reduce):
-    """The one body of every ``segment_<reduce>``: plan, then ``matmul``.
-    (``unique_indices`` and ``bucket_size`` are not needed: the plan knows.)"""
+def _broadcast_to_ids(data: jax.Array, segment_ids: Any, axis: Any) -> jax.Array:
+    """``data`` broadcast to one row per id where ``jax.ops`` broadcasts it: 0-d, or a
+    leading axis of length 1 (``axis=0`` only)."""
+    if np.ndim(segment_ids) != 1 or axis != 0:
+        return data
+    num_ids = np.shape(segment_ids)[0]
+    if data.ndim == 0 or data.shape[0] == 1 != num_ids:
+        return jnp.broadcast_to(data, (num_ids, *data.shape[1:]))
+    return data
+
+
+def _identity(dtype, reduce: str) -> Any:
+    """``jax.ops``' value for an empty segment of max (the dtype's lowest) or min."""
+    dtype = np.dtype(dtype)
+    if dtype == np.bool_:
+        return reduce == "min"
+    if jnp.issubdtype(dtype, jnp.integer):
+        info = jnp.iinfo(dtype)
+        return info.max if reduce == "min" else info.min
+    return np.inf if reduce == "min" else -np.inf
+
+
+def _reduce(data, segment_ids, num_segments, sorted_ids, mode, axis, return_arg, impl, reduce,
+            empty=0):  # fmt: skip
+    """The one body of every ``segment_<reduce>``: plan, then ``matmul``; empty segments
+    of max/min hold ``empty`` (``None``: the dtype's identity, as ``jax.ops``).
+    Boolean data (max/min only) is reduced as integers (max: any; min: all) and
+    given back as bool. (``unique_indices`` and ``bucket_size`` are not needed: the plan knows.)"""
+    boolean = np.dtype(data.dtype if hasattr(data, "dtype") else np.asarray(data).dtype) == np.bool_
+    if boolean:
+        if reduce not in ("max", "min"):  # jax.ops rejects bool sums too
+            raise TypeError(f"data must have a numeric dtype for segment_{reduce}, got bool")
+        data = jnp.asarray(data, jnp.int32)
     A, x, axis = _prepare(data, segment_ids, num_segments, mode, axis, impl, sorted_ids=sorted_ids)
     result = matmul(A, x, reduce=reduce, return_arg=return_arg, impl=impl)
-    if return_arg:
-        out, arg = result
-        return jnp.moveaxis(out, 0, axis), jnp.moveaxis(arg, 0, axis)
-    return jnp.moveaxis(result, 0, axis)
+    out, arg = result if return_arg else (result, None)
+    if reduce in ("max", "min"):
+        dtype = jnp.bool_ if boolean else out.dtype
+        fill = _identity(dtype, reduce) if empty is None else empty
+        nonempty = (A.structure.degrees() > 0).reshape((-1,) + (1,) * (out.ndim - 1))
+        out = jnp.where(nonempty, out, jnp.asarray(fill).astype(out.dtype))
+    if boolean:
+        out = out > 0
+    out = jnp.moveaxis(out, 0, axis)
+    return (out, jnp.moveaxis(arg, 0, axis)) if return_arg else out
 
 
 def _prepare_logits(logits, segment_ids, num_segments, sorted_ids, axis, impl) -> tuple:
-    """:func:`_prepare` for the softmax family: floating ``logits``, no ``mode``."""
-    return _prepare(
+    """:func:`_prepare` for the softmax family: no ``mode`` (out-of-range ids dropped:
+    probability 0); integer and bool logits promoted to JAX's default float, as
+    ``jnp.exp`` promotes them."""
+    dtype = np.dtype(logits.dtype if hasattr(logits, "dtype") else np.asarray(logits).dtype)
+    if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer):
+        logits = jnp.asarray(logits, jnp.result_type(float))
+    A, x, axis = _prepare(
         logits,
         segment_ids,
         num_segments,
@@ -257,6 +311,18 @@ def _prepare_logits(logits, segment_ids, num_segments, sorted_ids, axis, impl) -
         floating=True,
         sorted_ids=sorted_ids,
     )
+    s = A.structure
+    if not (s.one_per_column and s.nnz == s.shape[1]):
+        # concrete ids with some out of range: the host plan left those entries out;
+        # the device plan keeps one slot per id (dropped ones in padding), which the
+        # fused softmax needs
+        A = _planned_on_device(jnp.asarray(segment_ids), num_rows=A.shape[0], backends=A.backends)
+    return A, x, axis
+
+
+_planned_on_device = jax.jit(CSRMatrix.from_indices, static_argnames=("num_rows", "backends"))
+"""``from_indices`` of concrete ids through the device planner (out-of-range ids in
+padding: one slot per id)."""
 
 
 def _softmax_parts(logits, segment_ids, num_segments, sorted_ids, axis, impl):
@@ -287,12 +353,14 @@ _ARGS = """
         concrete ids: ignored (the host plan checks).
       unique_indices, bucket_size: accepted for signature compatibility with
         ``jax.ops`` and ignored: the plan knows.
-      mode: one of :data:`MODES`; with concrete ids the default raises on
-        out-of-range ids, with traced ids they are dropped.
+      mode: one of :data:`MODES`; the default drops out-of-range and negative
+        ids (concrete or traced), as ``jax.ops``; ``"check"`` raises on them.
       axis: the segmented axis of ``data`` (``jax.ops`` always uses 0).
       return_arg: max/min only (``ValueError`` otherwise): also return the position
         along ``axis`` of each extreme (ties: the first position; empty segments:
         ``len(segment_ids)``). Gradients flow to those positions only.
+      empty: max/min only: the value of empty segments (default: the dtype's
+        identity, as ``jax.ops``).
       impl: forwarded to :func:`jaxcsr.matmul`.
 """
 
@@ -314,15 +382,16 @@ def segment_sum(data: Any, segment_ids: Any, num_segments: Size = None,
 
 
 def segment_softmax(logits: Any, segment_ids: Any, num_segments: Size = None,
-                    indices_are_sorted: bool = False, *, axis: int = 0,
-                    impl: Impl = None) -> jax.Array:  # fmt: skip
+                    indices_are_sorted: bool = False, unique_indices: bool = False, *,
+                    axis: int = 0, impl: Impl = None) -> jax.Array:  # fmt: skip
     """Softmax of ``logits`` within each segment (GNN attention over incoming edges).
 
     ``out[j] = exp(x[j] - m) / sum_{i in seg(j)} exp(x[i] - m)`` with ``m`` the
     segment's max (numerically stable). 16-bit inputs are computed in float32 and
-    cast back. A segment whose logits are all ``-inf`` gives NaN, as
-    ``jax.nn.softmax`` does. Out-of-range ids raise ``ValueError`` (concrete ids) or
-    get probability 0 (traced ids, dropped). Fused as
+    cast back; integer logits give JAX's default float (as jraph's). A segment whose
+    logits are all ``-inf`` gives NaN, as ``jax.nn.softmax`` does. Entries with
+    out-of-range or negative ids get probability 0. ``unique_indices`` is accepted
+    for jraph's signature and ignored. Fused as
     :func:`jaxcsr.edge_softmax` is (one segmented sum forward in the common case, a
     backward that keeps only the output): the segments are the rows of the planned
     ``from_indices`` matrix.
@@ -357,8 +426,8 @@ def segment_mean(data: Any, segment_ids: Any, num_segments: Size = None,
 
 
 def segment_log_softmax(logits: Any, segment_ids: Any, num_segments: Size = None,
-                        indices_are_sorted: bool = False, *, axis: int = 0,
-                        impl: Impl = None) -> jax.Array:  # fmt: skip
+                        indices_are_sorted: bool = False, unique_indices: bool = False, *,
+                        axis: int = 0, impl: Impl = None) -> jax.Array:  # fmt: skip
     """Log of :func:`segment_softmax`, computed as ``x - m - log(sum exp(x - m))``.
 
     Example:
@@ -381,24 +450,27 @@ def segment_log_softmax(logits: Any, segment_ids: Any, num_segments: Size = None
 def segment_max(data: Any, segment_ids: Any, num_segments: Size = None,
                 indices_are_sorted: bool = False, unique_indices: bool = False,
                 bucket_size: Size = None, mode: Mode = None, *, axis: int = 0,
-                return_arg: bool = False, impl: Impl = None) -> Any:  # fmt: skip
-    """Maximum of ``data`` over segments. Empty segments are 0 (``jax.ops`` gives
-    ``-inf``); NaN propagates.
+                return_arg: bool = False, empty: Any = None,
+                impl: Impl = None) -> Any:  # fmt: skip
+    """Maximum of ``data`` over segments; NaN propagates. Empty segments hold
+    ``empty``: by default the dtype's lowest value (``-inf``, the integer minimum,
+    ``False``), as ``jax.ops``; ``empty=0`` gives torch_scatter's 0.
 
     Example:
       >>> import numpy as np, jax.numpy as jnp, jaxcsr
       >>> x = jnp.array([1.0, 3.0, 2.0, 4.0, 5.0, 6.0])
       >>> jaxcsr.segment_max(x, np.array([0, 1, 0, 1, 1, 3]), 4, return_arg=True)
-      (Array([2., 5., 0., 6.], dtype=float32), Array([2, 4, 6, 5], dtype=int32))
+      (Array([  2.,   5., -inf,   6.], dtype=float32), Array([2, 4, 6, 5], dtype=int32))
     """
     return _reduce(
-        data, segment_ids, num_segments, indices_are_sorted, mode, axis, return_arg, impl, "max"
-    )
+        data, segment_ids, num_segments, indices_are_sorted, mode, axis, return_arg, impl, "max",
+        empty,
+    )  # fmt: skip
 
 
 def segment_logsumexp(logits: Any, segment_ids: Any, num_segments: Size = None,
-                      indices_are_sorted: bool = False, *, axis: int = 0,
-                      impl: Impl = None) -> jax.Array:  # fmt: skip
+                      indices_are_sorted: bool = False, unique_indices: bool = False, *,
+                      axis: int = 0, impl: Impl = None) -> jax.Array:  # fmt: skip
     """``log(sum(exp(x)))`` per segment, stable; empty segments are 0 (torch_scatter).
 
     A segment whose logits are all ``-inf`` gives ``-inf``.
@@ -422,19 +494,79 @@ def segment_logsumexp(logits: Any, segment_ids: Any, num_segments: Size = None,
 def segment_min(data: Any, segment_ids: Any, num_segments: Size = None,
                 indices_are_sorted: bool = False, unique_indices: bool = False,
                 bucket_size: Size = None, mode: Mode = None, *, axis: int = 0,
-                return_arg: bool = False, impl: Impl = None) -> Any:  # fmt: skip
-    """Minimum of ``data`` over segments (empty ones: 0, where ``jax.ops`` gives ``+inf``).
-
-    NaN propagates.
+                return_arg: bool = False, empty: Any = None,
+                impl: Impl = None) -> Any:  # fmt: skip
+    """Minimum of ``data`` over segments; NaN propagates. Empty segments hold
+    ``empty``: by default the dtype's highest value (``+inf``, the integer maximum,
+    ``True``), as ``jax.ops``; ``empty=0`` gives torch_scatter's 0.
 
     Example:
       >>> import numpy as np, jax.numpy as jnp, jaxcsr
-      >>> jaxcsr.segment_min(jnp.array([1.0, 3, 2, 4, 5, 6]), np.array([0, 1, 0, 1, 1, 3]), 4)
+      >>> ids = np.array([0, 1, 0, 1, 1, 3])
+      >>> jaxcsr.segment_min(jnp.array([1.0, 3, 2, 4, 5, 6]), ids, 4, empty=0)
       Array([1., 3., 0., 6.], dtype=float32)
     """
     return _reduce(
-        data, segment_ids, num_segments, indices_are_sorted, mode, axis, return_arg, impl, "min"
+        data, segment_ids, num_segments, indices_are_sorted, mode, axis, return_arg, impl, "min",
+        empty,
+    )  # fmt: skip
+
+
+def segment_prod(data: Any, segment_ids: Any, num_segments: Size = None,
+                 indices_are_sorted: bool = False, unique_indices: bool = False,
+                 bucket_size: Size = None, mode: Mode = None, *,
+                 axis: int = 0) -> jax.Array:  # fmt: skip
+    """Product of ``data`` over segments; empty segments are 1.
+
+    jaxcsr plans no product kernel: after the same argument checks and id handling
+    as the other reductions (``mode``, ``axis``), this runs ``jax.ops.segment_prod``
+    (XLA's scatter-multiply) on the ids that are kept. It is here so that the
+    ``segment_*`` family can replace ``jax.ops``' whole.
+
+    Args:
+      data, segment_ids, num_segments, mode, axis: as in :func:`segment_sum`.
+      indices_are_sorted, unique_indices, bucket_size: passed to ``jax.ops``.
+
+    Example:
+      >>> import numpy as np, jax.numpy as jnp, jaxcsr
+      >>> jaxcsr.segment_prod(jnp.array([2.0, 3.0, 4.0]), np.array([0, 0, 2]), 3)
+      Array([6., 1., 4.], dtype=float32)
+    """
+    data = as_numeric(data, "data")
+    data = _broadcast_to_ids(data, segment_ids, axis)
+    axis = _check_axis(data, axis)
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if is_traced(segment_ids):
+        ids = check_traced_ids(segment_ids, "segment_ids")
+        if mode == "check":
+            _traced_matrix(ids, num_segments, mode, None, False)  # raises
+        if num_segments is None:
+            raise TypeError("num_segments must be given (a Python int) when segment_ids are traced")
+        num_segments = check_size(num_segments, "num_segments")
+    else:
+        ids = _host_ids(segment_ids)
+        if num_segments is None:
+            num_segments = int(ids.max()) + 1 if ids.size else 0
+        num_segments = check_size(num_segments, "num_segments")
+        if mode == "check":
+            check_segment_ids(ids, num_segments, names=("segment_ids", "num_segments"))
+    if data.shape[axis] != ids.shape[0]:
+        raise ValueError(
+            f"data.shape[{axis}] must equal len(segment_ids) = {ids.shape[0]}, "
+            f"got data.shape = {data.shape}"
+        )
+    if mode == "clip" and num_segments > 0:
+        ids = jnp.clip(jnp.asarray(ids), 0, num_segments - 1)
+    out = _xla_segment_prod(
+        jnp.moveaxis(data, axis, 0),
+        jnp.asarray(ids),
+        num_segments,
+        indices_are_sorted=indices_are_sorted,
+        unique_indices=unique_indices,
+        bucket_size=bucket_size,
     )
+    return jnp.moveaxis(out, 0, axis)
 
 
 for _reduction in (segment_sum, segment_mean, segment_max, segment_min):

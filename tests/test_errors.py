@@ -368,7 +368,9 @@ def test_segment_functions_name_bad_arguments():
     with pytest.raises(ValueError, match="return_arg=True needs reduce='max' or 'min'"):
         jaxcsr.segment_mean(v, np.zeros(4, int), 2, return_arg=True)
     with pytest.raises(TypeError, match="logits must have a floating dtype"):
-        jaxcsr.segment_softmax(jnp.ones(4, jnp.int32), np.zeros(4, int), 1)
+        jaxcsr.segment_softmax(jnp.ones(4, jnp.complex64), np.zeros(4, int), 1)
+    with pytest.raises(TypeError, match="data must have a numeric dtype for segment_sum, got bool"):
+        jaxcsr.segment_sum(np.ones(4, bool), np.zeros(4, int), 1)
 
 
 def test_edge_softmax_names_bad_arguments(rng):

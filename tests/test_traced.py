@@ -128,13 +128,19 @@ def test_device_planners_run_under_jit(rng):
 REDUCES = ("sum", "mean", "max", "min")
 
 
+def segment_fn(reduce: str):
+    """``jaxcsr.segment_<reduce>``; max/min with empty segments 0, as segment_reference."""
+    fn = getattr(jaxcsr, f"segment_{reduce}")
+    return functools.partial(fn, empty=0) if reduce in ("max", "min") else fn
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_traced_ids_equal_static_ids_and_the_reference(rng, dtype):
     m, size = 37, 501  # not tile multiples; power-law rows with empty ones
     ids = power_law_ids(rng, size, m).astype(np.int32)
     x = jnp.asarray(random_values(rng, (size, 3)), dtype)
     for reduce in REDUCES:
-        fn = getattr(jaxcsr, f"segment_{reduce}")
+        fn = segment_fn(reduce)
         traced = jax.jit(lambda x, ids, fn=fn: fn(x, ids, m))(x, ids)
         static = fn(x, ids, m)
         assert_close(traced, segment_reference(np.asarray(x, np.float32), ids, m, reduce), dtype)
@@ -155,7 +161,7 @@ def test_out_of_range_ids_are_dropped_as_jax_ops_drops_them(rng):
     x = jnp.asarray(random_values(rng, (size, 4)), jnp.float32)
     x64 = np.asarray(x, np.float64)
     for reduce in REDUCES:
-        out = jax.jit(lambda x, i, r=reduce: getattr(jaxcsr, f"segment_{r}")(x, i, m))(x, ids)
+        out = jax.jit(lambda x, i, r=reduce: segment_fn(r)(x, i, m))(x, ids)
         assert_close(out, segment_reference(x64[kept], ids[kept], m, reduce), np.float32)
     out = jax.jit(lambda x, i: jaxcsr.segment_sum(x, i, m))(x, ids)
     assert_close(out, jax.ops.segment_sum(x, ids, m), np.float32)
@@ -419,3 +425,36 @@ def test_sorted_row_pointer_equals_the_scatter_row_pointer(rng):
         )
     empty = jnp.zeros(0, jnp.int32)
     np.testing.assert_array_equal(device_plan.sorted_row_pointer(empty, 4, jnp.int32), 0)
+
+
+@pytest.mark.parametrize("impl", [None, "xla"])
+def test_traced_coordinates_out_of_range_are_dropped_on_every_path(rng, impl):
+    """A traced COO entry outside the shape is left out by the default (native CPU)
+    path as by the XLA path: products, max, and gradients for x and the values."""
+    m, n, nnz = 9, 11, 60
+    rows = rng.integers(0, m, nnz).astype(np.int32)
+    cols = rng.integers(0, n, nnz).astype(np.int32)
+    rows[[3, 17]] = [m, m + 4]  # past the last row
+    cols[[8, 40]] = [n, n + 2]  # past the last column
+    vals = jnp.asarray(random_values(rng, (nnz,)), jnp.float32)
+    x = jnp.asarray(random_values(rng, (n, 4)), jnp.float32)
+    keep = (rows < m) & (cols < n)
+    dense = np.zeros((m, n))
+    np.add.at(dense, (rows[keep], cols[keep]), np.asarray(vals, np.float64)[keep])
+
+    def product(r, c, w, x, reduce="sum"):
+        A = CSRMatrix.from_coo(r, c, w, shape=(m, n))
+        return jaxcsr.matmul(A, x, reduce=reduce, impl=impl)
+
+    out = jax.jit(product)(rows, cols, vals, x)
+    assert_close(out, dense @ np.asarray(x, np.float64), np.float32)
+    loss = jax.grad(lambda w, x, r, c: jnp.sum(product(r, c, w, x)), (0, 1))
+    grad_w, grad_x = jax.jit(loss)(vals, x, rows, cols)
+    assert_close(grad_x, dense.T @ np.ones((m, 4)), np.float32)
+    expected_w = np.where(keep, np.asarray(x, np.float64)[np.minimum(cols, n - 1)].sum(1), 0.0)
+    assert_close(grad_w, expected_w, np.float32)
+    top = jax.jit(functools.partial(product, reduce="max"))(rows, cols, vals, x)
+    ref = jax.jit(functools.partial(jaxcsr.matmul, reduce="max", impl="xla"))(
+        CSRMatrix.from_coo(rows[keep], cols[keep], vals[keep], shape=(m, n)), x
+    )
+    np.testing.assert_array_equal(np.asarray(top), np.asarray(ref))

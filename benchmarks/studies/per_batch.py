@@ -119,8 +119,10 @@ def _cell(graph, op, dtype, width, mode, timings, outs, m) -> dict:
     ours, theirs = timings[f"jaxcsr {mode}"], timings[f"jax.ops {mode}"]
     a = jax.tree_util.tree_leaves(outs[f"jaxcsr {mode}"])
     b = jax.tree_util.tree_leaves(outs[f"jax.ops {mode}"])
-    if op == "max":  # empty segments: jaxcsr gives 0, jax.ops the identity -inf
-        b = [jnp.where(jnp.isneginf(v), 0, v) if v.shape[0] == m else v for v in b]
+    if op == "max":  # empty segments: -inf on both sides (compared as 0)
+        a, b = (
+            [jnp.where(jnp.isneginf(v), 0, v) if v.shape[0] == m else v for v in t] for t in (a, b)
+        )
     error = max(
         measure.relative_error(measure.to_numpy(u), measure.to_numpy(v))
         for u, v in zip(a, b, strict=True)

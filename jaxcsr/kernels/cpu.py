@@ -181,10 +181,13 @@ def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
 
 
 def runs(view: Structure, x_dtype, data_dtype, out_dtype) -> bool:
-    """Whether the kernels take this product (else the XLA path runs it)."""
+    """Whether the kernels take this product (else the XLA path runs it). Not general
+    matrices planned on the device (traced COO): their dropped entries sit past the
+    row pointer's end, which the kernels' checks reject."""
     dtype = product_dtype(x_dtype, data_dtype)
     return (
         available()
+        and not (view.layout.padded and view.layout.kind == "general")
         and dtype in KERNEL_DTYPES
         and np.dtype(out_dtype) in KERNEL_DTYPES
         and np.dtype(view.index_dtype) == np.int32

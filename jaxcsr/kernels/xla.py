@@ -70,6 +70,12 @@ _CSR_KERNEL_DTYPES = tuple(
     np.dtype(t) for t in (np.float32, np.float64, np.int32, np.int64, np.complex64, np.complex128)
 )
 
+# XLA's scatters, bound at import: a caller may swap jax.ops' functions for jaxcsr's
+# (tests/upstream_suites.py does), which must not reach back into this backend.
+_scatter_sum = jax.ops.segment_sum
+_scatter_max = jax.ops.segment_max
+_scatter_min = jax.ops.segment_min
+
 
 # ------------------------------------------------------------ backend contract
 def plan(structure: Structure) -> None:
@@ -223,11 +229,11 @@ def _scatter_add(x: jax.Array, ids: jax.Array, m: int, *, sorted_ids: bool) -> j
     """
     n = x.shape[0]
     if not (sorted_ids and x.shape[1] == 1 and n >= 2 * INTERLEAVE):
-        return jax.ops.segment_sum(x, ids, m, indices_are_sorted=sorted_ids, mode="drop")
+        return _scatter_sum(x, ids, m, indices_are_sorted=sorted_ids, mode="drop")
     pad = -n % INTERLEAVE
     strided = jnp.pad(x[:, 0], (0, pad)).reshape(INTERLEAVE, -1).T.reshape(-1, 1)
     strided_ids = jnp.pad(ids, (0, pad), constant_values=m).reshape(INTERLEAVE, -1).T.reshape(-1)
-    return jax.ops.segment_sum(strided, strided_ids, m, mode="drop")
+    return _scatter_sum(strided, strided_ids, m, mode="drop")
 
 
 def sddmm(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> jax.Array:
@@ -260,7 +266,7 @@ def sddmm(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> ja
 
 # ------------------------------------------------------------ max / min reduce
 def _segment_extreme(values, segments, num_segments, reduce, *, indices_are_sorted):
-    fn = jax.ops.segment_max if reduce == "max" else jax.ops.segment_min
+    fn = _scatter_max if reduce == "max" else _scatter_min
     return fn(values, segments, num_segments, indices_are_sorted=indices_are_sorted)
 
 
@@ -398,4 +404,4 @@ def _first_hit(values, target, rows, m, indices_are_sorted) -> jax.Array:
         hit = hit | (jnp.isnan(values) & jnp.isnan(target))
     index = jnp.arange(values.shape[0], dtype=jnp.int32)[:, None]
     candidates = jnp.where(hit, index, jnp.iinfo(jnp.int32).max)
-    return jax.ops.segment_min(candidates, rows, m, indices_are_sorted=indices_are_sorted)
+    return _scatter_min(candidates, rows, m, indices_are_sorted=indices_are_sorted)
