@@ -24,6 +24,7 @@ from benchmarks.catalog import PASSES, PEERS, WORKLOADS
 # jax, numpy and the systems are imported in main(): `--help` answers at once.
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "latest"
+QUICK_OUT = Path(__file__).parent / "results" / "quick"
 
 
 def _csv(kind):
@@ -98,7 +99,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="seconds a system may take in one cell (first call included); past it, its "
         "remaining runs are skipped and the cell reports it as timed out",
     )
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output folder")
+    p.add_argument(
+        "--out", type=Path, default=None, help="output folder (default results/latest, quick/)"
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument(
         "--no-malloc-hugepages",
@@ -115,6 +118,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.graphs, args.features, args.dtypes = ("cora",), (8,), ("float32",)
         args.budget = min(args.budget, 30.0)
+    if args.out is None:  # a smoke run never overwrites the last full run's folder
+        args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     if "repeats" not in vars(args):
         args.repeats = 5 if args.quick else 3
     if "min_time" not in vars(args):

@@ -80,8 +80,8 @@ KINDS += ["empty_rows", "duplicates"]
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_matches_float64(rng, kind):
     """Sum, max and min of both views, three dtypes, one feature, the whole-vector
-    widths (16, 64: 8 * V features; 88: pull blocks of 64 and 24) and others below and
-    past 32, against float64
+    widths (16, 64: 8 * V features; 72, 88, 136: pull blocks of 64 plus a tail of 8,
+    24 and 8) and others below and past 32, against float64
     (max/min: reduce_reference, ties and NaN included)."""
     A, _ = _matrix(rng, kind)
     assert "native" in str(A.plan_info())
@@ -89,7 +89,7 @@ def test_every_kernel_matches_float64(rng, kind):
     fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
     for B in (A, A.T):
         for dtype in DTYPES:
-            for f in (1, 5, 16, 44, 64, 88):
+            for f in (1, 5, 16, 44, 64, 72, 88, 136):
                 x = random_values(rng, (B.shape[1], f)).astype(dtype)
                 if B.dtype is not None:  # the reference reads the values as rounded
                     B = B.with_data(B.data.astype(dtype))
