@@ -71,15 +71,19 @@ _cache: collections.OrderedDict[tuple, CSRMatrix] = collections.OrderedDict()
 _cache_lock = threading.Lock()
 
 
-def _host_ids(segment_ids: Any) -> np.ndarray:
+def _host_ids(segment_ids: Any, num_segments: Size) -> tuple[np.ndarray, int]:
+    """Concrete ids as a 1-D host array, and ``num_segments`` (``None``: ``max + 1``)."""
     ids = as_host_int_array(segment_ids, "segment_ids")
     if ids.ndim != 1:
         raise ValueError(f"segment_ids must be 1-D, got shape {ids.shape}")
-    return ids
+    if num_segments is None:
+        num_segments = int(ids.max()) + 1 if ids.size else 0
+    return ids, check_size(num_segments, "num_segments")
 
 
-def _traced_matrix(segment_ids, num_segments, mode, backends, sorted_ids: bool) -> CSRMatrix:
-    """The device-planned matrix of traced ids (no cache: planned in every trace)."""
+def _traced_ids(segment_ids, num_segments, mode) -> tuple[jax.Array, int]:
+    """Traced ids checked at trace time (clipped for ``mode="clip"``), and
+    ``num_segments``, which must be given."""
     ids = check_traced_ids(segment_ids, "segment_ids")
     if mode == "check":
         raise ValueError(
@@ -94,6 +98,12 @@ def _traced_matrix(segment_ids, num_segments, mode, backends, sorted_ids: bool) 
     num_segments = check_size(num_segments, "num_segments")
     if mode == "clip" and num_segments > 0:
         ids = jnp.clip(ids, 0, num_segments - 1)
+    return ids, num_segments
+
+
+def _traced_matrix(segment_ids, num_segments, mode, backends, sorted_ids: bool) -> CSRMatrix:
+    """The device-planned matrix of traced ids (no cache: planned in every trace)."""
+    ids, num_segments = _traced_ids(segment_ids, num_segments, mode)
     return CSRMatrix.from_indices(
         ids, num_segments, backends=backends, indices_are_sorted=sorted_ids
     )
@@ -125,9 +135,7 @@ def segment_order(segment_ids: Any, num_segments: int | None = None) -> np.ndarr
     """
     if is_traced(segment_ids):
         raise TypeError("segment_ids must be concrete: segment_order runs on the host, once")
-    ids = _host_ids(segment_ids)
-    if num_segments is None:
-        num_segments = int(ids.max()) + 1 if ids.size else 0
+    ids, num_segments = _host_ids(segment_ids, num_segments)
     ids, num_segments = check_segment_ids(ids, num_segments, names=("segment_ids", "num_segments"))
     _, order = plan.segment_ids_to_csr(ids, num_segments)
     return order.astype(np.int64)
@@ -169,10 +177,7 @@ def segment_matrix(
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if is_traced(segment_ids):
         return _traced_matrix(segment_ids, num_segments, mode, backends, indices_are_sorted)
-    ids = _host_ids(segment_ids)
-    if num_segments is None:
-        num_segments = int(ids.max()) + 1 if ids.size else 0
-    num_segments = check_size(num_segments, "num_segments")  # before the cache: 2.0 != 2
+    ids, num_segments = _host_ids(segment_ids, num_segments)  # before the cache: 2.0 != 2
     backends = kernels.resolve_backends(backends)
     names = ("segment_ids", "num_segments")
     digest = hashlib.blake2b(ids.tobytes(), digest_size=16).hexdigest()
@@ -238,12 +243,16 @@ def _prepare(
     A = segment_matrix(
         segment_ids, num_segments, mode, backends=backends, indices_are_sorted=sorted_ids
     )
-    if A.shape[1] != data.shape[axis]:
+    _check_length(data, axis, A.shape[1])
+    return A, jnp.moveaxis(data, axis, 0), axis
+
+
+def _check_length(data: jax.Array, axis: int, num_ids: int) -> None:
+    if data.shape[axis] != num_ids:
         raise ValueError(
-            f"data.shape[{axis}] must equal len(segment_ids) = {A.shape[1]}, "
+            f"data.shape[{axis}] must equal len(segment_ids) = {num_ids}, "
             f"got data.shape = {data.shape}"
         )
-    return A, jnp.moveaxis(data, axis, 0), axis
 
 
 def _broadcast_to_ids(data: jax.Array, segment_ids: Any, axis: Any) -> jax.Array:
@@ -255,6 +264,16 @@ def _broadcast_to_ids(data: jax.Array, segment_ids: Any, axis: Any) -> jax.Array
     if data.ndim == 0 or data.shape[0] == 1 != num_ids:
         return jnp.broadcast_to(data, (num_ids, *data.shape[1:]))
     return data
+
+
+def _dtype_of(value: Any) -> np.dtype:
+    """``value``'s dtype without converting a (possibly traced) array."""
+    return np.dtype(value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype)
+
+
+def _nonempty(A: CSRMatrix, ndim: int) -> jax.Array:
+    """Rows of ``A`` with an entry, shaped to broadcast against ``ndim``-d results."""
+    return (A.structure.degrees() > 0).reshape((-1,) + (1,) * (ndim - 1))
 
 
 def _identity(dtype, reduce: str) -> Any:
@@ -274,7 +293,7 @@ def _reduce(data, segment_ids, num_segments, sorted_ids, mode, axis, return_arg,
     of max/min hold ``empty`` (``None``: the dtype's identity, as ``jax.ops``).
     Boolean data (max/min only) is reduced as integers (max: any; min: all) and
     given back as bool. (``unique_indices`` and ``bucket_size`` are not needed: the plan knows.)"""
-    boolean = np.dtype(data.dtype if hasattr(data, "dtype") else np.asarray(data).dtype) == np.bool_
+    boolean = _dtype_of(data) == np.bool_
     if boolean:
         if reduce not in ("max", "min"):  # jax.ops rejects bool sums too
             raise TypeError(f"data must have a numeric dtype for segment_{reduce}, got bool")
@@ -285,8 +304,7 @@ def _reduce(data, segment_ids, num_segments, sorted_ids, mode, axis, return_arg,
     if reduce in ("max", "min"):
         dtype = jnp.bool_ if boolean else out.dtype
         fill = _identity(dtype, reduce) if empty is None else empty
-        nonempty = (A.structure.degrees() > 0).reshape((-1,) + (1,) * (out.ndim - 1))
-        out = jnp.where(nonempty, out, jnp.asarray(fill).astype(out.dtype))
+        out = jnp.where(_nonempty(A, out.ndim), out, jnp.asarray(fill).astype(out.dtype))
     if boolean:
         out = out > 0
     out = jnp.moveaxis(out, 0, axis)
@@ -297,7 +315,7 @@ def _prepare_logits(logits, segment_ids, num_segments, sorted_ids, axis, impl) -
     """:func:`_prepare` for the softmax family: no ``mode`` (out-of-range ids dropped:
     probability 0); integer and bool logits promoted to JAX's default float, as
     ``jnp.exp`` promotes them."""
-    dtype = np.dtype(logits.dtype if hasattr(logits, "dtype") else np.asarray(logits).dtype)
+    dtype = _dtype_of(logits)
     if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer):
         logits = jnp.asarray(logits, jnp.result_type(float))
     A, x, axis = _prepare(
@@ -484,8 +502,7 @@ def segment_logsumexp(logits: Any, segment_ids: Any, num_segments: Size = None,
     A, axis, _, _, total, peak, dtype = _softmax_parts(
         logits, segment_ids, num_segments, indices_are_sorted, axis, impl
     )
-    degrees = A.structure.degrees()
-    nonempty = (degrees > 0).reshape((-1,) + (1,) * (total.ndim - 1))
+    nonempty = _nonempty(A, total.ndim)
     # log(0) only where the segment is empty; keep its gradient finite there.
     out = jnp.where(nonempty, jnp.log(jnp.where(nonempty, total, 1)) + peak, 0)
     return jnp.moveaxis(out.astype(dtype), 0, axis)
@@ -538,26 +555,14 @@ def segment_prod(data: Any, segment_ids: Any, num_segments: Size = None,
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
     if is_traced(segment_ids):
-        ids = check_traced_ids(segment_ids, "segment_ids")
-        if mode == "check":
-            _traced_matrix(ids, num_segments, mode, None, False)  # raises
-        if num_segments is None:
-            raise TypeError("num_segments must be given (a Python int) when segment_ids are traced")
-        num_segments = check_size(num_segments, "num_segments")
+        ids, num_segments = _traced_ids(segment_ids, num_segments, mode)
     else:
-        ids = _host_ids(segment_ids)
-        if num_segments is None:
-            num_segments = int(ids.max()) + 1 if ids.size else 0
-        num_segments = check_size(num_segments, "num_segments")
+        ids, num_segments = _host_ids(segment_ids, num_segments)
         if mode == "check":
             check_segment_ids(ids, num_segments, names=("segment_ids", "num_segments"))
-    if data.shape[axis] != ids.shape[0]:
-        raise ValueError(
-            f"data.shape[{axis}] must equal len(segment_ids) = {ids.shape[0]}, "
-            f"got data.shape = {data.shape}"
-        )
-    if mode == "clip" and num_segments > 0:
-        ids = jnp.clip(jnp.asarray(ids), 0, num_segments - 1)
+        elif mode == "clip" and num_segments > 0:
+            ids = np.clip(ids, 0, num_segments - 1)
+    _check_length(data, axis, ids.shape[0])
     out = _xla_segment_prod(
         jnp.moveaxis(data, axis, 0),
         jnp.asarray(ids),
