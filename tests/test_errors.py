@@ -373,6 +373,20 @@ def test_segment_functions_name_bad_arguments():
         jaxcsr.segment_sum(np.ones(4, bool), np.zeros(4, int), 1)
 
 
+def test_segment_prod_names_bad_arguments():
+    v = jnp.ones((4, 2))
+    with pytest.raises(TypeError, match="segment_ids must have an integer dtype"):
+        jaxcsr.segment_prod(v, np.ones(4), 2)
+    with pytest.raises(ValueError, match=r"data.shape\[0\] must equal len\(segment_ids\) = 3"):
+        jaxcsr.segment_prod(v, np.zeros(3, int), 2)
+    with pytest.raises(ValueError, match=r"segment_ids must be < num_segments = 2"):
+        jaxcsr.segment_prod(v, np.array([0, 1, 2, 0]), 2, mode="check")
+    with pytest.raises(ValueError, match="mode='check' needs concrete segment_ids"):
+        jax.jit(lambda i: jaxcsr.segment_prod(v, i, 2, mode="check"))(jnp.zeros(4, jnp.int32))
+    with pytest.raises(ValueError, match="mode must be one of"):
+        jaxcsr.segment_prod(v, np.zeros(4, int), 2, mode="wrap")
+
+
 def test_edge_softmax_names_bad_arguments(rng):
     A = CSRMatrix.from_scipy(random_csr(rng, 5, 4, "uniform"))
     with pytest.raises(TypeError, match=r"A must be a jaxcsr\.CSRMatrix"):

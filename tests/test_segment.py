@@ -233,3 +233,18 @@ def test_segment_order_sorts_stably_and_keeps_every_product(rng):
     assert_close(sorted_sum, segment_reference(v, ids, 41), np.float32)
     assert np.array_equal(jaxcsr.segment_order(np.sort(ids)), np.arange(700))
     assert jaxcsr.segment_order(np.zeros(0, np.int32)).shape == (0,)
+
+
+def test_segment_prod_matches_float64_with_dropped_and_clipped_ids(rng):
+    ids = np.array([0, 3, 3, -1, 1, 7, 1, 3])
+    v = rng.uniform(0.5, 1.5, (8, 2)).astype(np.float32)
+    for mode in (None, "clip"):
+        kept = np.clip(ids, 0, 4) if mode == "clip" else ids
+        keep = (kept >= 0) & (kept < 5)
+        want = np.ones((5, 2))
+        np.multiply.at(want, kept[keep], v[keep].astype(np.float64))
+        assert_close(jaxcsr.segment_prod(v, ids, 5, mode=mode), want, np.float32)
+        traced = jax.jit(lambda v, i, mode=mode: jaxcsr.segment_prod(v, i, 5, mode=mode))(v, ids)
+        assert_close(traced, want, np.float32)
+    moved = jaxcsr.segment_prod(v.T, ids, 5, axis=1)
+    assert_close(moved, np.asarray(jaxcsr.segment_prod(v, ids, 5)).T, np.float32)
