@@ -58,7 +58,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jaxcsr.kernels import xla
-from jaxcsr.kernels.semiring import column_values, entry_values
+from jaxcsr.kernels.semiring import column_values, entry_values, zero_empty_rows
 from jaxcsr.structure import Structure
 
 __all__ = [
@@ -719,20 +719,12 @@ def product(
         # generic Pallas interpreter and tests run the kernel under both.
         interpret=interpret,
     )
-    out = _zero_empty(run(), structure, reduce)
+
+    def finished(out):  # max/min: empty rows hold 0, not the kernel's -inf/+inf
+        return out if reduce == "sum" else zero_empty_rows(out, structure)
+
+    out = finished(run())
     # Not finite only if some value was not (or a float32 sum overflowed): then the
     # IEEE kernel runs (spmm's ``ieee``); finite inputs pay one pass over the output.
-    out = lax.cond(
-        jnp.all(jnp.isfinite(out)),
-        lambda: out,
-        lambda: _zero_empty(run(ieee=True), structure, reduce),
-    )
+    out = lax.cond(jnp.all(jnp.isfinite(out)), lambda: out, lambda: finished(run(ieee=True)))
     return out.astype(out_dtype)
-
-
-def _zero_empty(out: jax.Array, structure: Structure, reduce: str) -> jax.Array:
-    """Max/min: rows without nonzeros hold 0, not the kernel's -inf/+inf."""
-    if reduce == "sum":
-        return out
-    nonempty = jnp.diff(structure.view_indptr()) > 0
-    return jnp.where(nonempty[:, None], out, jnp.zeros((), out.dtype))
