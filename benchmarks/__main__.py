@@ -9,6 +9,7 @@ bandwidth, and writes a table (stdout), ``results.json``, ``results.md`` and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import os
@@ -264,6 +265,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         f"torch {env['torch']}",
         file=sys.stderr,
     )
+    from jaxcsr import machine
+
+    print(f"machine profile: {machine.profile().summary()}", file=sys.stderr)
     print("measuring memory bandwidth ...", file=sys.stderr)
     bw = measure.memory_bandwidth(64 if args.quick else 512)
     print(f"  read {bw['read_gbps']:.1f} GB/s, copy {bw['copy_gbps']:.1f} GB/s", file=sys.stderr)
@@ -295,6 +299,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         f"ETA {'?' if eta is None else _clock(eta)})"
                     )
                     print(label, end="", flush=True, file=sys.stderr)
+                    if case.strategy:
+                        print(f"\n      jaxcsr runs: {case.strategy}", end="", file=sys.stderr)
                     res = run_case(
                         case,
                         args.repeats,
@@ -315,6 +321,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                             "dtype": dtype,
                             "floor_bytes": case.floor_bytes,
                             "floor_s": floor_s,
+                            "strategy": case.strategy,
                             "systems": res,
                         }
                     )
@@ -339,6 +346,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "command": "python -m benchmarks "
         + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:])),
         "environment": env,
+        "machine_profile": dataclasses.asdict(machine.profile()),
         "bandwidth": bw,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "rows": rows,

@@ -46,7 +46,7 @@ from jax.experimental import sparse as jsparse
 
 import jaxcsr
 from benchmarks.datasets import Graph
-from jaxcsr import CSRMatrix
+from jaxcsr import CSRMatrix, kernels
 
 try:
     import torch
@@ -73,6 +73,18 @@ class Case:
     # float64 numpy/scipy result of the cell (from the inputs as the systems see them,
     # i.e. rounded to the cell's dtype), against which jaxcsr's output is checked.
     reference: Callable[[], np.ndarray] | None = None
+    # what jaxcsr runs for the cell's product on this platform, and why (plan_info)
+    strategy: str = ""
+
+
+def strategy(matrix: CSRMatrix, n_features: int) -> str:
+    """What ``matrix @ x`` with ``n_features`` features runs on this platform, and why
+    (from :meth:`jaxcsr.CSRMatrix.plan_info`)."""
+    runs = matrix.plan_info(n_features).strategies
+    kernel = kernels.platform_kernel(jax.default_backend())
+    return runs.get(f"forward, {kernel}") or runs.get(
+        f"forward, xla on {jax.default_backend()}", ""
+    )
 
 
 def _f64(x: Any) -> np.ndarray:
@@ -180,11 +192,19 @@ def build_cases(
     want = set(peers)
     name = dtype.name
 
-    def case(workload, pass_, floor, systems, to_reference=None, reference=None):
+    def case(workload, pass_, floor, systems, to_reference=None, reference=None, matrix=None):
         systems = {k: v for k, v in systems.items() if k == "jaxcsr" or k in want}
-        return Case(
-            graph.name, workload, pass_, N, name, floor, systems, to_reference or {}, reference
+        matrix = matrix or (A if pass_ == "fwd" else A.T)
+        # plan_info describes products: not the feature-major ones (last_axis), the
+        # fused softmax, or a max/min backward (arg search and put)
+        described = workload in ("segment", "segment_mean", "spmm") or (
+            workload in ("segment_max", "segment_min") and pass_ == "fwd"
         )
+        runs = strategy(matrix, N) if described and pass_ in ("fwd", "bwd") else ""
+        return Case(
+            graph.name, workload, pass_, N, name, floor, systems, to_reference or {}, reference,
+            runs,
+        )  # fmt: skip
 
     dst = jnp.asarray(graph.dst, jnp.int32)
     order = np.argsort(graph.dst, kind="stable")
@@ -322,8 +342,8 @@ def build_cases(
             bwd["torch_sparse_csr"] = lambda: tcsr_t @ tct
         io = 2 * V * N * b + nnz * (INDEX_BYTES + b) + (V + 1) * INDEX_BYTES
         adj64 = sp.csr_array((_f64(B.data), adj.indices, adj.indptr), shape=adj.shape)
-        yield case("spmm", "fwd", io, fwd, reference=lambda: adj64 @ _f64(x))
-        yield case("spmm", "bwd", io, bwd, reference=lambda: adj64.T @ _f64(ct))
+        yield case("spmm", "fwd", io, fwd, reference=lambda: adj64 @ _f64(x), matrix=B)
+        yield case("spmm", "bwd", io, bwd, reference=lambda: adj64.T @ _f64(ct), matrix=B.T)
 
         # cotangent for the matrix values (SDDMM); outputs in CSR order. X is an
         # argument, as in a training step: closed over, it would be an XLA constant and

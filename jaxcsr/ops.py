@@ -415,7 +415,7 @@ batching.primitive_batchers[sddmm_p] = _sddmm_batch
 
 # ---------------------------------------------------------------- impl / eval
 def backend_for(
-    impl: str | None, platform: str, index: Index, x_dtype, data_dtype
+    impl: str | None, platform: str, index: Index, x_dtype, data_dtype, reduce: str | None
 ) -> kernels.Backend:
     """The registry entry that runs the view on ``platform``.
 
@@ -441,7 +441,9 @@ def backend_for(
     if not backend.available():
         backend.warn_unavailable()
         return kernels.fallback()
-    if backend.supports(x_dtype, data_dtype) and backend.covers(view) and backend.default_for(view):
+    if not (backend.supports(x_dtype, data_dtype) and backend.covers(view)):
+        return kernels.fallback()
+    if backend.default_for(view, product_dtype(x_dtype, data_dtype), reduce):
         return backend
     return kernels.fallback()
 
@@ -470,7 +472,7 @@ def _lowered_impl(
     if _is_empty(s, width):
         shape = (width, s.shape[0]) if feature_major else (s.shape[0], width)
         return jnp.zeros(shape, out_dtype)
-    backend = backend_for(impl, platform, index, x.dtype, data_dtype)
+    backend = backend_for(impl, platform, index, x.dtype, data_dtype, reduce)
     if backend.platform not in (None, platform) and not interpret:
         raise NotImplementedError(
             f"impl={backend.name!r} needs platform {backend.platform!r} (platform is "

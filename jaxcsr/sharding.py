@@ -59,6 +59,8 @@ __all__ = [
     "block_capacity",
     "block_sizes",
     "plan_blocks",
+    "relayout_rows",
+    "rows_per_part",
     "shard",
     "shard_rows",
 ]
@@ -114,11 +116,11 @@ def balanced_row_blocks(lengths: np.ndarray, parts: int, slack: float = SLACK) -
 
 
 def _even_row_blocks(m: int, parts: int) -> np.ndarray:
-    rows = _rows_per_part(m, parts)
+    rows = rows_per_part(m, parts)
     return np.minimum(np.arange(parts + 1) * rows, m)
 
 
-def _rows_per_part(m: int, parts: int) -> int:
+def rows_per_part(m: int, parts: int) -> int:
     """Rows per device of the output's even split (JAX's layout of ``(m, ...)``)."""
     return max(1, -(-m // parts))
 
@@ -448,7 +450,7 @@ class ShardedCSR(SparseOperand):
         share = (shards - 1) * -(-n // shards)  # rows of an all-gather of (n, ...)
         gather = 0 if self.form == "segment" else share
         layout = share if self.form == "segment" else 0
-        rows = _relayout_rows(self.row_starts, m)
+        rows = relayout_rows(self.row_starts, m)
         return {
             "gather_x": gather * n_features * itemsize,
             "layout": layout * n_features * itemsize,
@@ -485,7 +487,7 @@ def _overlaps(row_starts, m) -> dict[tuple[int, int], tuple[int, int]]:
     """``(p, q) -> (lo, hi)``: rows of device ``p``'s block in device ``q``'s part of
     the output's even row split (non-empty overlaps only)."""
     shards = len(row_starts) - 1
-    rows = _rows_per_part(m, shards)
+    rows = rows_per_part(m, shards)
     pairs = {}
     for p in range(shards):
         for q in range(shards):
@@ -496,7 +498,7 @@ def _overlaps(row_starts, m) -> dict[tuple[int, int], tuple[int, int]]:
     return pairs
 
 
-def _relayout_rows(row_starts, m) -> np.ndarray:
+def relayout_rows(row_starts, m) -> np.ndarray:
     """Rows each device computes for another device's part of the output."""
     moved = np.zeros(len(row_starts) - 1, np.int64)
     for (p, q), (lo, hi) in _overlaps(row_starts, m).items():
@@ -557,7 +559,7 @@ def block_sizes(
         raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
     indptr = np.asarray(indptr).astype(np.int64)
     m, nnz = indptr.size - 1, int(indptr[-1])
-    rows = _rows_per_part(m, shards)
+    rows = rows_per_part(m, shards)
     if balance == "nnz":
         starts = balanced_row_blocks(np.diff(indptr), shards)
         most = np.diff(starts).max(initial=0)
@@ -932,7 +934,7 @@ def _relayout_plan(starts, m, block_rows, shards, balance):
     padding) to device ``p + d``, which writes them at ``recv[p + d, i]`` (``rows``:
     dropped).
     """
-    rows = _rows_per_part(m, shards)
+    rows = rows_per_part(m, shards)
     pairs = _overlaps(starts, m)
     # Static choices that follow the structure take few values: the even split is
     # aligned (no relayout); otherwise the reach rounds up to a power of two and the
@@ -989,7 +991,7 @@ def _sharded_function(pl_: _Plan, reduce: str, return_arg: bool, in_order: bool 
     body = functools.partial(
         _block_product,
         plan_=pl_,
-        rows=_rows_per_part(m, shards),
+        rows=rows_per_part(m, shards),
         reduce=reduce,
         return_arg=return_arg,
         in_order=in_order,

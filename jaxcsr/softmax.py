@@ -309,7 +309,7 @@ def _lowered(arrays, leaves, *, index_tree, impl, platform: str, composed) -> ja
     products there, if it has one, else ``composed`` (the XLA composition)."""
     pattern = _pattern(leaves, index_tree)
     dtype = arrays[0].dtype
-    backend = backend_for(impl, platform, pattern.index, dtype, None)
+    backend = backend_for(impl, platform, pattern.index, dtype, None, None)
     if backend.softmax is None or backend.platform != platform:
         return composed(*arrays, pattern, impl)
     tangent = arrays[1] if len(arrays) == 2 else None

@@ -11,6 +11,7 @@ import pytest
 from benchmarks import measure, report
 from benchmarks.__main__ import main
 from benchmarks.datasets import EMBEDDED, load_graph
+from jaxcsr.kernels import cpu
 
 
 @pytest.mark.parametrize("name", EMBEDDED)
@@ -174,6 +175,21 @@ def test_last_axis_study(tmp_path):
     for r in result["rows"]:
         assert max(r["rel_error_vs_jax_ops"].values()) <= 1e-5
     assert "| fwd | 3 | float32 |" in (tmp_path / "last_axis.md").read_text()
+
+
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+def test_one_piece_study(tmp_path):
+    """Cora's shuffled ids reduce in one piece at N = 8: pull and push timed, same bits."""
+    from benchmarks.studies import one_piece
+
+    result = one_piece.main(
+        ["--graphs", "cora", "--synthetic", "", "--features", "8", "--dtypes", "float32",
+         "--repeats", "1", "--out", str(tmp_path)]
+    )  # fmt: skip
+    assert [r["same_bits"] for r in result["rows"]] == [True]
+    assert (
+        "| cora shuffled | 2708 | 10556 | 8 | float32 |" in (tmp_path / "one_piece.md").read_text()
+    )
 
 
 def test_jax_systems_take_their_index_arrays_as_arguments():

@@ -34,6 +34,8 @@ import jaxcsr
 from jaxcsr import CSRMatrix
 from jaxcsr.kernels import cpu, xla
 
+PROGRAMS = Path(__file__).parent / "programs"  # scripts the tests run in a subprocess
+
 REQUIRED = os.environ.get("JAXCSR_REQUIRE_CPU_KERNELS") == "1"
 if not cpu.available():
     if REQUIRED:
@@ -101,7 +103,7 @@ def test_every_kernel_matches_float64(rng, kind):
     for B in (A, A.T):
         x = jnp.ones((B.shape[1], 3), jnp.float32)
         text = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu")).lower(B, x).as_text()
-        assert f"jaxcsr_cpu_{cpu.kernel_for(B.structure)}" in text
+        assert f"jaxcsr_cpu_{cpu.choose(B.structure, 3).kernel}" in text
 
 
 @pytest.mark.parametrize("dtype, f", [(np.float32, 3), (jnp.bfloat16, 16), (jnp.bfloat16, 64)])
@@ -260,7 +262,7 @@ def test_one_feature_push_threads_agree_bit_for_bit(rng):
     x = random_values(rng, (k, 1)).astype(np.float32)
     for data in (None, random_values(rng, k).astype(np.float32)):
         A = CSRMatrix.from_indices(ids, m, data=data)
-        assert cpu.kernel_for(A.structure) == "push"
+        assert cpu.choose(A.structure, 1).pieces == 4
         for reduce in ("sum", "max"):
             every = jax.jit(lambda B, x, r=reduce: jaxcsr.matmul(B, x, reduce=r, impl="cpu"))
             with cpu.threads(1):
@@ -293,25 +295,34 @@ def test_push_too_wide_for_8_mib_runs_two_pieces(rng, dtype):
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_one_piece_push_splits_features_over_threads(rng, dtype):
-    """Unsorted ids with under 2 per row push in one piece, whose features split over
-    the threads in blocks of 64-byte lines (F = 48: blocks of 16 and 32 float32
-    features; F = 64 bfloat16: two of 32): sum, max and min against float64, and the
-    same bits on one thread."""
+    """Unsorted ids with under 2 per row reduce in one piece: the pull runs; the push,
+    forced, splits the features over the threads in blocks of 64-byte lines (F = 48:
+    blocks of 16 and 32 float32 features; F = 64 bfloat16: two of 32). Each: sum, max
+    and min against float64, the same bits on one thread -- and the same bits as the
+    other."""
     m, k = 3000, 5000
     ids = power_law_ids(rng, k, m)
     rng.shuffle(ids)
     A = CSRMatrix.from_indices(ids, m)
-    assert cpu.kernel_for(A.structure) == "push" and k < 2 * m  # one piece
-    _push_threads_agree(rng, A, dtype, (48, 64))
+    assert cpu.choose(A.structure, 48).kernel == "pull" and k < 2 * m  # one piece
+    pulled = _push_threads_agree(rng, A, dtype, (48, 64))
+    with cpu.one_piece("push"):
+        assert cpu.choose(A.structure, 48).kernel == "push"
+        pushed = _push_threads_agree(rng, A, dtype, (48, 64), inputs=pulled[1])
+    for y, z in zip(pulled[0], pushed[0], strict=True):
+        np.testing.assert_array_equal(np.asarray(y), np.asarray(z))
 
 
-def _push_threads_agree(rng, A, dtype, widths):
-    """Sum, max and min of ``A @ x`` against float64, on all threads and one bit for bit."""
+def _push_threads_agree(rng, A, dtype, widths, inputs=None):
+    """Sum, max and min of ``A @ x`` against float64, on all threads and one bit for bit.
+    Returns the outputs and the inputs (``inputs``: the ones to use)."""
     reduces = ("sum", "max", "min")
     fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
-    for f in widths:
+    outputs, used = [], []
+    for i, f in enumerate(widths):
         assert A.shape[1] * f >= SERIAL_WORK
-        x = random_values(rng, (A.shape[1], f)).astype(dtype)
+        x = random_values(rng, (A.shape[1], f)).astype(dtype) if inputs is None else inputs[i]
+        used.append(x)
         with cpu.threads(1):  # traced inside the block
             one = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
             ones = one(A, x)
@@ -321,6 +332,8 @@ def _push_threads_agree(rng, A, dtype, widths):
             want, _ = reduce_reference(A, np.asarray(x, np.float64), reduce)
             assert_close(y, want, dtype)
             np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
+            outputs.append(y)
+    return outputs, used
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
@@ -828,32 +841,6 @@ def test_native_softmax_refuses_a_corrupted_row_pointer():
     )
 
 
-HIDDEN = """
-import warnings
-import jax.numpy as jnp, numpy as np
-import jaxcsr
-from jaxcsr.kernels import cpu
-assert not cpu.available() and cpu.library_path() is None
-A = jaxcsr.CSRMatrix.from_indices(np.array([0, 2, 2, 1]), 3)
-assert "cpu" in A.backends
-v = np.arange(8.0, dtype=np.float32).reshape(4, 2)
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    for _ in range(2):  # two products, one warning
-        y = np.asarray(A @ v)
-np.testing.assert_array_equal(y, [[0, 1], [6, 7], [6, 8]])
-messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-assert len(messages) == 1 and "compiled CPU library" in messages[0], messages
-try:
-    jaxcsr.matmul(A, v, impl="cpu")
-except RuntimeError as err:
-    assert "impl='cpu' cannot run" in str(err), err
-else:
-    raise AssertionError("impl='cpu' ran without its library")
-print("ok")
-"""
-
-
 def test_without_the_library_products_fall_back_with_one_warning(tmp_path):
     """The package copied without its built library, as an install without a compiler
     leaves it."""
@@ -862,55 +849,15 @@ def test_without_the_library_products_fall_back_with_one_warning(tmp_path):
     env = {k: v for k, v in os.environ.items() if k != "JAXCSR_CPU_LIBRARY"}
     env["PYTHONPATH"] = str(tmp_path)
     result = subprocess.run(
-        [sys.executable, "-c", HIDDEN], capture_output=True, text=True, timeout=300, env=env,
+        [sys.executable, str(PROGRAMS / "without_library.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env,
         cwd=tmp_path,
-    )  # fmt: skip
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
-
-
-ISA_OUTPUTS = """
-import ctypes, sys
-import numpy as np, jax, jax.numpy as jnp
-import jaxcsr
-from jaxcsr.kernels import cpu
-assert cpu.available(), cpu.library_path()
-isa = ctypes.CDLL(str(cpu.library_path())).JaxcsrCpuIsa()
-rng = np.random.default_rng(int(sys.argv[2]))
-m, n, k = 37, 45, 3001
-ids = rng.integers(0, m, k)
-ids[: k // 2] = 5  # a hub
-rows, cols = rng.integers(0, m, k), rng.integers(0, n, k)
-outs = {}
-for dtype in (np.float32, jnp.bfloat16, np.float16):
-    name = np.dtype(dtype).name
-    G = jaxcsr.CSRMatrix.from_coo(rows, cols, rng.standard_normal(k).astype(np.float32),
-                                  shape=(m, n))
-    G = G.with_data(G.data.astype(dtype))
-    # 1 (eight lanes), 16 and 64 (whole vectors), 19 and 72 (loops past the vectors)
-    for f in (1, 16, 19, 64, 72):
-        for order, A in (("sorted", jaxcsr.CSRMatrix.from_indices(np.sort(ids), m)),
-                         ("unsorted", jaxcsr.CSRMatrix.from_indices(ids, m))):
-            v = jnp.asarray(rng.standard_normal((k, f)), dtype)
-            for reduce in ("sum", "max"):
-                outs[f"{name} {f} {order} {reduce}"] = jaxcsr.matmul(A, v, reduce=reduce)
-            y = jnp.asarray(rng.standard_normal((m, f)), dtype)
-            outs[f"{name} {f} {order} gather"] = A.T @ y
-            outs[f"{name} {f} {order} last axis"] = v.T @ A.T
-            outs[f"{name} {f} {order} max grad"] = jax.grad(
-                lambda v: jaxcsr.matmul(A, v, reduce="max").astype(jnp.float32).sum())(v)
-            outs[f"{name} {f} {order} softmax"] = jaxcsr.segment_softmax(
-                v, np.sort(ids) if order == "sorted" else ids, m)
-        x = jnp.asarray(rng.standard_normal((n, f)), dtype)
-        ct = jnp.asarray(rng.standard_normal((m, f)), dtype)
-        outs[f"{name} {f} general max"] = jaxcsr.matmul(G, x, reduce="max")
-        outs[f"{name} {f} general sum"] = G @ x
-        outs[f"{name} {f} general vjp"] = jax.vjp(lambda x, d: G.with_data(d) @ x, x, G.data)[1](ct)
-leaves = jax.tree_util.tree_leaves_with_path(outs)  # the VJP's pair: two leaves
-np.savez(sys.argv[1], isa=isa, **{jax.tree_util.keystr(path): np.asarray(v, np.float32)
-                                  for path, v in leaves})
-print("ok")
-"""
 
 
 def test_instruction_sets_give_the_same_bits(tmp_path, rng):
@@ -923,10 +870,16 @@ def test_instruction_sets_give_the_same_bits(tmp_path, rng):
     for cap in ("baseline", "avx2", ""):  # the three at once
         env = {**os.environ, "JAXCSR_CPU_ISA": cap}
         path = tmp_path / f"{cap or 'best'}.npz"
-        runs[cap] = path, subprocess.Popen(
-            [sys.executable, "-c", ISA_OUTPUTS, str(path), seed], stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True, env=env,
-        )  # fmt: skip
+        runs[cap] = (
+            path,
+            subprocess.Popen(
+                [sys.executable, str(PROGRAMS / "isa_outputs.py"), str(path), seed],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            ),
+        )
     results = {}
     for cap, (path, run) in runs.items():
         _, stderr = run.communicate(timeout=600)
@@ -935,7 +888,7 @@ def test_instruction_sets_give_the_same_bits(tmp_path, rng):
     cpu_level = _cpu_isa_level()
     for cap, level in (("baseline", 0), ("avx2", 1), ("", 2)):
         assert int(results[cap].pop("isa")) == min(level, cpu_level), cap
-    assert len(results[""]) == 3 * 5 * (2 * 6 + 4)  # dtypes x widths x outputs
+    assert len(results[""]) == 3 * 5 * (3 * 6 + 4)  # dtypes x widths x outputs
     for cap in ("baseline", "avx2"):
         assert results[cap].keys() == results[""].keys()
         for key, value in results[""].items():
@@ -948,71 +901,6 @@ def _cpu_isa_level() -> int:
     if {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags:
         return 2
     return 1 if "avx2" in flags else 0
-
-
-SANITIZED = """
-import numpy as np, jax, jax.numpy as jnp
-import jaxcsr
-from jaxcsr.kernels import cpu
-assert cpu.available(), cpu.library_path()
-rng = np.random.default_rng(int(__import__("sys").argv[1]))
-# traced ids (a padded layout), some past the last segment: dropped
-traced_sum = jax.jit(jaxcsr.segment_sum, static_argnames="num_segments")
-for trial in range(4):
-    m, n, k = rng.integers(1, 40), rng.integers(1, 60), rng.integers(0, 500)
-    ids = rng.integers(0, m, k)
-    if trial % 2 == 0:
-        ids[: k // 2] = m // 2  # a hub
-    A = jaxcsr.CSRMatrix.from_indices(np.sort(ids) if trial % 3 == 0 else ids, int(m))
-    rows, cols = rng.integers(0, m, k), rng.integers(0, n, k)
-    G = jaxcsr.CSRMatrix.from_coo(rows, cols, rng.standard_normal(k).astype(np.float32),
-                                  shape=(int(m), int(n)))
-    for dtype in (np.float32, jnp.bfloat16, np.float16):
-        # one feature, and a width per trial: 33 (a loop over features), 16 and 64
-        # (whole vectors; sixteen softmax lanes with AVX-512), 136 (pull blocks: 64 + 64 + 8)
-        for f in (1, (33, 16, 64, 136)[trial]):
-            v = jnp.asarray(rng.standard_normal((k, f)), dtype)
-            x = jnp.asarray(rng.standard_normal((n, f)), dtype)
-            y = jnp.asarray(rng.standard_normal((m, f)), dtype)
-            reduce = ("sum", "max", "min")[(trial + f) % 3]
-            for out in (jaxcsr.matmul(A, v, reduce=reduce),
-                        jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce=reduce),
-                        G.T.with_data(G.T.data.astype(dtype)) @ y,
-                        # the planned transpose's values through t_perm (both layouts)
-                        jax.grad(lambda x, G=G.with_data(G.data.astype(dtype)):
-                                 jnp.sum(G @ x))(x),
-                        y.T @ G.with_data(G.data.astype(dtype)),
-                        A.T @ y,  # one entry per row: the gather
-                        traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1)),
-                        jaxcsr.sddmm(G, jnp.asarray(rng.standard_normal((m, f)), dtype), x),
-                        jaxcsr.sddmm(A.T, v, jnp.asarray(rng.standard_normal((m, f)), dtype)),
-                        # the arg search: first columns (pieces), CSR positions (rows)
-                        jaxcsr.matmul(A, v, reduce="max", return_arg=True),
-                        jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce="min",
-                                      return_arg=True),
-                        # the max's gradient: the search, then the put at its columns
-                        jax.grad(lambda v: jnp.sum(
-                            jaxcsr.matmul(A, v, reduce="max").astype(jnp.float32)))(v)):
-                jax.block_until_ready(out)
-            if dtype != (np.float32, jnp.bfloat16, np.float16)[trial % 3]:
-                continue  # the rest on one dtype per trial (each jit is slow here)
-            # feature-major (values @ B): push or pull, the gather, a general pull
-            out = (jax.vjp(lambda w: w @ A.T, v.T)[1](y.T),
-                   y.T @ G.with_data(G.data.astype(dtype)))
-            jax.block_until_ready(out)
-            # the fused softmax and its backward: unsorted/sorted ids (both branches:
-            # + 100 overflows the unshifted sums), traced ids with some dropped, CSR patterns
-            dropped = jnp.asarray(np.where(rng.random(k) < 0.2, m + 2, ids))
-            traced_softmax = jax.jit(lambda s, i: jaxcsr.segment_softmax(s, i, int(m)))
-            for fn, s in ((lambda s: jaxcsr.segment_softmax(s, ids, int(m)), v),
-                          (lambda s: jaxcsr.segment_softmax(s, ids, int(m)), v + 100),
-                          (lambda s: traced_softmax(s, dropped), v),
-                          (lambda s: jaxcsr.edge_softmax(G, s), jnp.asarray(
-                              rng.standard_normal((G.nnz, f)), dtype))):
-                out, vjp = jax.vjp(fn, s)
-                jax.block_until_ready((out, vjp(s)))
-print("ok")
-"""
 
 
 EXP_CHECK = r"""
@@ -1116,9 +1004,12 @@ def test_sanitizer_build_finds_nothing(tmp_path, rng):
     }
     seed = str(int(rng.integers(0, 2**31)))
     result = subprocess.run(
-        [sys.executable, "-c", SANITIZED, seed], capture_output=True, text=True, timeout=600,
+        [sys.executable, str(PROGRAMS / "sanitized.py"), seed],
+        capture_output=True,
+        text=True,
+        timeout=600,
         env=env,
-    )  # fmt: skip
+    )
     report = result.stderr[-4000:]
     assert result.returncode == 0, report
     assert "ERROR: AddressSanitizer" not in result.stderr, report

@@ -45,3 +45,37 @@ def test_user_docs_speak_of_the_project_only():
     migration = (ROOT / "docs" / "migration.md").read_text()
     assert "integer atomics" not in migration  # the GPU kernel has no atomics
     assert "uses no" in migration and "atomics" in migration
+
+
+RESULTS = ROOT / "benchmarks" / "results"
+# folders a run writes by default, never committed
+UNCOMMITTED = {"latest", "quick", "gpu-latest", "tpu-latest"}
+
+
+def _named_results(text: str) -> set[str]:
+    """``benchmarks/results/...`` paths a page names (trailing punctuation dropped)."""
+    found = re.findall(r"benchmarks/results/([A-Za-z0-9_./<>-]+)", text)
+    return {path.rstrip(".,:;)`") for path in found}
+
+
+def test_every_results_path_the_docs_name_exists():
+    for page in [*PAGES, ROOT / "DEVELOPMENT.md"]:
+        for path in _named_results(page.read_text()):
+            if path.split("/")[0] in UNCOMMITTED or "<" in path:
+                continue
+            assert (RESULTS / path).exists(), f"{page.name}: benchmarks/results/{path}"
+
+
+def test_every_results_folder_is_linked():
+    """Each machine's folder from the docs, each study folder from its machine's README."""
+    docs = "\n".join(page.read_text() for page in [*PAGES, ROOT / "DEVELOPMENT.md"])
+    for machine in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
+        assert f"benchmarks/results/{machine.name}" in docs, machine.name
+        readme = (machine / "README.md").read_text()
+        for folder in sorted(p for p in machine.iterdir() if p.is_dir()):
+            assert f"`{folder.name}/`" in readme, f"{machine.name}/{folder.name}"
+
+
+def test_the_results_checks_catch_what_they_look_for():
+    assert _named_results("see `benchmarks/results/cpu-epyc/main_job/`.") == {"cpu-epyc/main_job/"}
+    assert not (RESULTS / "cpu" / "main_job_xeon_final").exists()

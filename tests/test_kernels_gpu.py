@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,8 @@ from reference import (
 import jaxcsr
 from jaxcsr import CSRMatrix
 from jaxcsr.kernels import gpu
+
+PROGRAMS = Path(__file__).parent / "programs"  # scripts the tests run in a subprocess
 
 
 def gpu_matmul(A, x):
@@ -267,12 +270,20 @@ def test_tile_table():
 def test_lowers_to_triton_for_cuda(dtype):
     A = CSRMatrix.from_indices(np.array([0, 2, 2, 1, 0, 4, 4, 4]), num_rows=5, backends=ALL)
     B = CSRMatrix.from_dense(np.arange(1.0, 41.0).reshape(5, 8), backends=ALL)  # general
-    fwd = jax.jit(lambda v: A @ v)  # impl=None picks the kernel on CUDA
+    fwd = jax.jit(lambda v: jaxcsr.matmul(A, v, reduce="max"))  # impl=None: the kernel
     # the backward of a general matrix is the kernel on the planned transpose
     bwd = jax.jit(jax.grad(lambda v: jnp.sum(B.with_data(B.data.astype(v.dtype)) @ v)))
     for f in (fwd, bwd):
         text = export_for_cuda(f, jax.ShapeDtypeStruct((8, 20), dtype)).mlir_module()
         assert TRITON_CALL in set(re.findall(r"custom_call @([\w$.]+)", text))
+    # sums over unsorted ids: the kernel in 16-bit dtypes, the XLA path in float32
+    # (gpu.default_for, the H200 rule); impl="pallas_gpu" still runs the kernel
+    text = export_for_cuda(jax.jit(lambda v: A @ v), jax.ShapeDtypeStruct((8, 20), dtype))
+    assert (TRITON_CALL in text.mlir_module()) == (np.dtype(dtype) != np.float32)
+    forced = jax.jit(lambda v: jaxcsr.matmul(A, v, impl="pallas_gpu"))
+    assert (
+        TRITON_CALL in export_for_cuda(forced, jax.ShapeDtypeStruct((8, 20), dtype)).mlir_module()
+    )
     xla_only = jax.jit(lambda v: jaxcsr.matmul(A, v, impl="xla"))
     text = export_for_cuda(xla_only, jax.ShapeDtypeStruct((8, 20), dtype)).mlir_module()
     assert TRITON_CALL not in text
@@ -304,35 +315,6 @@ def test_gpu_benchmark_script_smoke(tmp_path):
     assert "| cora | segment | fwd | 8 | float32 | ok |" in table
 
 
-MISSING_TRITON = """
-import re, sys, warnings
-sys.modules["jax.experimental.pallas.triton"] = None  # what a jax without it raises
-import jax, jax.numpy as jnp, numpy as np
-from jax import export
-import jaxcsr
-from jaxcsr.kernels import gpu
-assert not gpu.available()
-A = jaxcsr.CSRMatrix.from_indices(np.array([0, 2, 2, 1]), 3, backends=["xla", "pallas_gpu"])
-spec = jax.ShapeDtypeStruct((4, 8), jnp.float32)
-checks = [export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")]
-with warnings.catch_warnings(record=True) as caught:
-    warnings.simplefilter("always")
-    for _ in range(2):  # two products, one warning
-        text = export.export(jax.jit(lambda v: A @ v), platforms=["cuda"],
-                             disabled_checks=checks)(spec).mlir_module()
-        assert "__gpu$xla.gpu.triton" not in text
-messages = [str(w.message) for w in caught if issubclass(w.category, RuntimeWarning)]
-assert len(messages) == 1 and "run on the fallback, 'xla'" in messages[0], messages
-try:
-    jaxcsr.matmul(A, jnp.ones((4, 8)), impl="pallas_gpu", interpret=True)
-except RuntimeError as err:
-    assert "impl='pallas_gpu' cannot run" in str(err) and "Pallas" in str(err), err
-else:
-    raise AssertionError("impl='pallas_gpu' ran without Pallas Triton")
-print("ok")
-"""
-
-
 def test_without_pallas_triton_cuda_falls_back_to_xla_with_one_warning():
     """A jax without the Pallas Triton backend (deprecated in JAX 0.11): impl=None on
     CUDA lowers to the XLA path with one warning; impl='pallas_gpu' raises."""
@@ -340,7 +322,10 @@ def test_without_pallas_triton_cuda_falls_back_to_xla_with_one_warning():
     import sys
 
     result = subprocess.run(
-        [sys.executable, "-c", MISSING_TRITON], capture_output=True, text=True, timeout=300
+        [sys.executable, str(PROGRAMS / "missing_triton.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"

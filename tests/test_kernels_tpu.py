@@ -41,7 +41,7 @@ def _skewed_ids(rng, size, num_rows, busy_rows):
 
 def _kernel_sum(values, indptr, num_rows, tiling, interpret=TPU_INTERPRET, **kw):
     schedule = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, tiling))
-    rows = tpu._padded_rows(tpu._host_rows(indptr), tiling.block_k, np)
+    rows = tpu.padded_rows(tpu.host_rows(indptr), tiling.block_k, np)
     return tpu.spmm(
         jnp.asarray(values),
         jnp.asarray(rows),
@@ -155,7 +155,7 @@ def _coverage(schedule: tpu.Schedule, indptr: np.ndarray) -> np.ndarray:
     """How many steps count each nonzero (decoded from the packed step arrays)."""
     t = schedule.tiling
     nnz = int(indptr[-1])
-    rows = tpu._host_rows(indptr)
+    rows = tpu.host_rows(indptr)
     seen = np.zeros(nnz, int)
     for b, word, span in zip(schedule.block, schedule.tile, schedule.span, strict=True):
         if word & tpu.SKIP:

@@ -150,3 +150,55 @@ def test_the_checks_catch_what_they_look_for():
     ]
     del sources["jaxcsr.matrix"]
     assert find_circle(import_graph(sources)) is None
+
+
+def private_uses(source: str) -> list[str]:
+    """Private names of ``jaxcsr`` a module outside the package reaches: imported
+    (``from jaxcsr.x import _y``, ``import jaxcsr._x``) or read as an attribute of a name
+    bound to a ``jaxcsr`` import (``cpu._gather_stores``); dunders are not private."""
+
+    def private(name: str) -> bool:
+        return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+    found, bound = [], set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("jaxcsr"):
+            found += [f"{node.module}.{a.name}" for a in node.names if private(a.name)]
+            found += [node.module] if any(map(private, node.module.split("."))) else []
+            bound |= {a.asname or a.name for a in node.names}
+        elif isinstance(node, ast.Import):
+            for alias in node.names:
+                if alias.name.split(".")[0] == "jaxcsr":
+                    found += [alias.name] if any(map(private, alias.name.split("."))) else []
+                    bound.add((alias.asname or alias.name).split(".")[0])
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Attribute) and private(node.attr):
+            root = node.value
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if isinstance(root, ast.Name) and root.id in bound:
+                found.append(f"{root.id}...{node.attr}")
+    return found
+
+
+def test_examples_and_benchmarks_use_the_public_api_only():
+    root = PACKAGE.parent
+    offenders = {
+        str(path.relative_to(root)): uses
+        for folder in ("examples", "benchmarks")
+        for path in sorted((root / folder).rglob("*.py"))
+        if (uses := private_uses(path.read_text()))
+    }
+    assert offenders == {}
+
+
+def test_the_private_use_check_catches_what_it_looks_for():
+    source = (
+        "import jaxcsr\nfrom jaxcsr.kernels import cpu, _x\nimport jaxcsr._y as y\n"
+        "from jaxcsr.kernels._z import w\nimport numpy as np\n"
+        "cpu._gather_stores('auto')\njaxcsr.kernels._REGISTRY\nnp._private\ncpu.__doc__\n"
+    )
+    assert sorted(private_uses(source)) == sorted(
+        ["jaxcsr.kernels._x", "jaxcsr._y", "jaxcsr.kernels._z", "cpu..._gather_stores",
+         "jaxcsr..._REGISTRY"]
+    )  # fmt: skip

@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,8 @@ from reference import (
 
 import jaxcsr
 from jaxcsr import CSRMatrix
+
+PROGRAMS = Path(__file__).parent / "programs"  # scripts the tests run in a subprocess
 
 REDUCES = ["sum", "mean", "max", "min"]
 EXTREMES = ["max", "min"]
@@ -458,44 +460,14 @@ def test_mean_divides_before_rounding(dtype, values, expected, impl, interpret):
     np.testing.assert_array_equal(np.asarray(seg), np.asarray(out))
 
 
-X64_SCRIPT = textwrap.dedent(
-    """
-    import jax, jax.numpy as jnp, numpy as np, jaxcsr
-    from jax.test_util import check_grads
-    from jaxcsr import CSRMatrix
-    assert jax.config.jax_enable_x64
-    rng = np.random.default_rng(0)
-    ALL = ("xla", "pallas_gpu", "pallas_tpu")
-    idx = rng.integers(0, 7, 60)
-    A = CSRMatrix.from_indices(idx, num_rows=7, backends=ALL)
-    x32 = rng.uniform(-2, 2, (60, 3)).astype(np.float32)
-    for reduce in ("max", "min"):
-        # the x64 default dtype used to leak into the GPU kernel's output buffer
-        out = jaxcsr.matmul(A, jnp.asarray(x32), reduce=reduce, impl="pallas_gpu", interpret=True)
-        ref = jaxcsr.matmul(A, jnp.asarray(x32), reduce=reduce, impl="xla")
-        assert out.dtype == np.float32, out.dtype
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(ref))
-        seg = jaxcsr.segment_max if reduce == "max" else jaxcsr.segment_min
-        np.testing.assert_array_equal(np.asarray(seg(jnp.asarray(x32), idx, 7)), np.asarray(ref))
-    # float64 mean/max/min and their gradients against float64 numpy
-    x = rng.uniform(-2, 2, (60, 3))
-    for reduce in ("mean", "max", "min"):
-        out = np.asarray(jaxcsr.matmul(A, jnp.asarray(x), reduce=reduce))
-        assert out.dtype == np.float64
-        for r in range(7):
-            rows = x[idx == r]
-            want = {"mean": rows.mean(0), "max": rows.max(0), "min": rows.min(0)}[reduce]
-            np.testing.assert_allclose(out[r], want if len(rows) else 0.0, rtol=1e-12)
-        check_grads(lambda v: jaxcsr.matmul(A, v, reduce=reduce), (jnp.asarray(x),), 1, eps=1e-6)
-    print("ok")
-    """
-)
-
-
 def test_x64_kernels_and_float64_reductions():
     env = {**os.environ, "JAX_ENABLE_X64": "1", "JAX_PLATFORMS": "cpu"}
     result = subprocess.run(
-        [sys.executable, "-c", X64_SCRIPT], env=env, capture_output=True, text=True, timeout=600
+        [sys.executable, str(PROGRAMS / "x64_reductions.py")],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip().endswith("ok")

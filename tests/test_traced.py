@@ -391,7 +391,9 @@ def test_device_planned_products_lower_to_the_kernels():
         return jaxcsr.matmul(CSRMatrix.from_indices(ids, 5, backends=ALL), v, impl=impl)
 
     # impl=None runs XLA's scatter for unsorted traced ids on TPU (kernels.tpu.default_for)
+    # and for their float32 sums on CUDA (kernels.gpu.default_for): the kernels forced
     tpu_segment_form = functools.partial(segment_form, impl="pallas_tpu")
+    gpu_segment_form = functools.partial(segment_form, impl="pallas_gpu")
 
     def coo_backward(v, rows, cols):
         A = CSRMatrix.from_coo(
@@ -403,7 +405,7 @@ def test_device_planned_products_lower_to_the_kernels():
     ids = jax.ShapeDtypeStruct((8,), jnp.int32)
     v5 = jax.ShapeDtypeStruct((5, 20), jnp.float32)
     cases = (
-        (segment_form, tpu_segment_form, (v, ids)),
+        (gpu_segment_form, tpu_segment_form, (v, ids)),
         (coo_backward, coo_backward, (v5, ids, ids)),
     )
     for fn, tpu_fn, args in cases:

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import report
-from jaxcsr.sharding import _relayout_rows, _rows_per_part, block_sizes
+from jaxcsr.sharding import block_sizes, relayout_rows, rows_per_part
 
 
 def power_law_indptr(edges: int, nodes: int, seed: int) -> np.ndarray:
@@ -56,7 +56,7 @@ def rows(indptr: np.ndarray, devices, features: int) -> list[dict]:
     out = []
     for p in devices:
         starts, block_nnz, r_b, k_b = block_sizes(indptr, p)
-        moved = _relayout_rows(starts, m)
+        moved = relayout_rows(starts, m)
         row = {
             "devices": p,
             "block_entries": k_b,
@@ -65,7 +65,7 @@ def rows(indptr: np.ndarray, devices, features: int) -> list[dict]:
             "largest_row": int(np.diff(indptr).max()),
             "structure_bytes": 8 * k_b + 4 * (r_b + 2),
             "values_bytes": k_b * features * 4,
-            "output_bytes": _rows_per_part(m, p) * features * 4,
+            "output_bytes": rows_per_part(m, p) * features * 4,
             "relayout_bytes": int(moved.max(initial=0)) * features * 4,
             "layout_bytes": (p - 1) * -(-nnz // p) * features * 4,
             "host_shard_bytes": 16 * nnz + 8 * (m + 1) + 8 * p * k_b,

@@ -23,7 +23,7 @@ from __future__ import annotations
 import dataclasses
 import warnings
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import numpy as np
@@ -38,12 +38,59 @@ __all__ = [
     "IMPLS",
     "ArgSearch",
     "Backend",
+    "ExtremeSearchFn",
+    "ProductFn",
+    "PutAttainingFn",
+    "SddmmFn",
+    "SoftmaxFn",
     "default_backends",
     "fallback",
     "platform_kernel",
     "register",
     "resolve_backends",
 ]
+
+
+class ProductFn(Protocol):
+    """``Backend.product``: the viewed matrix times ``x`` (``(n, F)``) with ``reduce``,
+    ``(m, F)`` in ``out_dtype``. Backends with ``feature_major`` also take the keywords
+    ``feature_major`` and ``data_transposed`` (:class:`Backend`)."""
+
+    def __call__(
+        self, x: jax.Array, data: jax.Array | None, view: Structure, plan: Any, /, *,
+        reduce: str, out_dtype: Any, interpret: bool, platform: str,
+    ) -> jax.Array: ...  # fmt: skip
+
+
+class SddmmFn(Protocol):
+    """``Backend.sddmm``: ``ct @ x.T`` at the view's stored entries, ``(nnz,)``."""
+
+    def __call__(
+        self, ct: jax.Array, x: jax.Array, view: Structure, /, *, out_dtype: Any
+    ) -> jax.Array: ...
+
+
+class SoftmaxFn(Protocol):
+    """``Backend.softmax``: the fused softmax over rows (``g`` None) or its tangent."""
+
+    def __call__(
+        self, x: jax.Array, g: jax.Array | None, view: Structure, /, *, out_dtype: Any,
+        fallback: Callable[[], jax.Array],
+    ) -> jax.Array: ...  # fmt: skip
+
+
+class ExtremeSearchFn(Protocol):
+    """:class:`ArgSearch` ``positions`` / ``columns`` / ``column_mask``."""
+
+    def __call__(
+        self, x: jax.Array, data: jax.Array | None, view: Structure, out: jax.Array, /
+    ) -> jax.Array: ...
+
+
+class PutAttainingFn(Protocol):
+    """:class:`ArgSearch` ``put_attaining``: ``(ct, columns, rows) -> (n, F)``."""
+
+    def __call__(self, ct: jax.Array, columns: jax.Array, rows: jax.Array, /) -> jax.Array: ...
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,10 +108,10 @@ class ArgSearch:
         each column, ``m`` for none); the max/min gradient's last step.
     """
 
-    positions: Callable[..., jax.Array]
-    columns: Callable[..., jax.Array]
-    column_mask: Callable[..., jax.Array]
-    put_attaining: Callable[..., jax.Array]
+    positions: ExtremeSearchFn
+    columns: ExtremeSearchFn
+    column_mask: ExtremeSearchFn
+    put_attaining: PutAttainingFn
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,9 +131,11 @@ class Backend:
         :meth:`~jaxcsr.CSRMatrix.plan_info` (host-side; may read the view back).
       covers: ``view -> bool``: whether it runs that view (else the fallback does).
       available: whether this jax can run it (a Pallas backend may be missing).
-      default_for: ``view -> bool``: whether ``impl=None`` runs it on a view it covers
-        (else the fallback does; an explicit ``impl=`` still runs it), for views where
-        the fallback measures faster on the backend's platform.
+      default_for: ``(view, dtype, reduce) -> bool``: whether ``impl=None`` runs it on
+        a view it covers, for a product in ``dtype`` (the operands' promoted dtype) with
+        ``reduce`` (``"sum"``, ``"max"``, ``"min"``; ``None``: the fused softmax), else
+        the fallback does (an explicit ``impl=`` still runs it): the rule for where the
+        fallback measured faster on the backend's platform.
       sddmm: ``(ct, x, view, *, out_dtype) -> (nnz,)``, the sampled product (the
         fallback's is used for every backend; ``None``: none of its own).
       arg_search: an :class:`ArgSearch`, run on this backend's platform (chosen when
@@ -118,14 +167,14 @@ class Backend:
     platform: str | None
     dtypes: tuple[np.dtype, ...] | None
     plan: Callable[[Structure], Any]
-    product: Callable[..., jax.Array]
+    product: ProductFn
     describe: Callable[[Structure, int | None], dict[str, str]]
     covers: Callable[[Structure], bool] = lambda view: True
     available: Callable[[], bool] = lambda: True
-    default_for: Callable[[Structure], bool] = lambda view: True
-    sddmm: Callable[..., jax.Array] | None = None
+    default_for: Callable[[Structure, np.dtype, str | None], bool] = lambda *_: True
+    sddmm: SddmmFn | None = None
     arg_search: ArgSearch | None = None
-    softmax: Callable[..., jax.Array] | None = None
+    softmax: SoftmaxFn | None = None
     device_plan: Callable[[Structure], Any] | None = None
     feature_major: bool = False
     transposed_data: Callable[..., bool] | None = None
@@ -240,6 +289,7 @@ register(
         gpu.describe,
         gpu.covers,
         gpu.available,
+        default_for=gpu.default_for,
         device_plan=gpu.plan_on_device,
     )
 )

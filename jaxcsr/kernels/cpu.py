@@ -10,15 +10,17 @@ thread count: results are bit-identical for any number of threads.
 
 ``pull``
     ``y[r] = sum_j data[j] * x[cols[j]]`` over row ``r``'s entries in CSR order:
-    general matrices (and their planned transposes) and sorted segment ids (``cols``
-    is the identity: ``x`` is read once, in order).
+    general matrices (and their planned transposes), sorted segment ids (``cols``
+    is the identity: ``x`` is read once, in order) and unsorted ids that reduce in one
+    piece (``cols`` the planned sort: each row's ids in input order).
 ``push``
-    The one-per-column view of unsorted segment ids: 1, 2 or 4 pieces of consecutive
-    ids (fixed by the sizes) each add ``x[k]`` to row ``ids[k]`` of their own float32
-    partial, combined in piece order (one piece splits its features over the threads
-    instead, in blocks of 64-byte lines); ``x`` is streamed rather than gathered at random
-    (a pull through the sort permutation is latency-bound), and no id is skipped (a
-    row owner skipping other rows' ids mispredicts a branch per id in random order).
+    The one-per-column view of unsorted segment ids in 2 or 4 pieces of consecutive
+    ids (the number fixed by the sizes: :func:`push_pieces`), each adding ``x[k]`` to
+    row ``ids[k]`` of its own float32 partial, combined in piece order; ``x`` is
+    streamed, and no id is skipped (a row owner skipping other rows' ids mispredicts a
+    branch per id in random order). Ids planned on the device push in one piece too,
+    its features split over the threads in blocks of 64-byte lines. :func:`choose`
+    says which runs and why.
 ``arg search``
     The first entry attaining each max/min (``return_arg``, the max/min gradient;
     :func:`arg_positions`, :func:`arg_columns`): by rows over the threads for general
@@ -46,11 +48,12 @@ thread count: results are bit-identical for any number of threads.
     float32 input in [-110, 90], checked exhaustively).
 
 Products of fewer than 2^17 elements run on the calling thread alone (a gathered
-value counts twice). The loops run their AVX2 build (the baseline's on CPUs without
-it), four of them (the pull's and the push's loops over rows without their own vector
-code, the row gather, the put) their AVX-512 build where the CPU has it: the same bits
-on each. ``JAXCSR_CPU_ISA=baseline``
-or ``avx2``, read once, caps the instruction set (the tests compare the builds).
+value counts twice). Row gathers store outputs from the machine profile's
+``stream_bytes`` on past the caches (:mod:`jaxcsr.machine`). The loops run their AVX2
+build (the baseline's on CPUs without it), four of them (the pull's and the push's
+loops over rows without their own vector code, the row gather, the put) their AVX-512
+build where the CPU has it: the same bits on each. ``JAXCSR_CPU_ISA=baseline`` or
+``avx2``, read once, caps the instruction set (the tests compare the builds).
 
 Float64 and integers run on the XLA path (:mod:`jaxcsr.kernels.xla`). The backend plans
 nothing beyond the portable core. Without the library (no compiler at
@@ -62,6 +65,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import dataclasses
 import functools
 import os
 from collections.abc import Iterator
@@ -73,16 +77,21 @@ import numpy as np
 
 from jaxcsr.dtypes import KERNEL_DTYPES, product_dtype
 from jaxcsr.kernels import xla
+from jaxcsr.machine import profile
 from jaxcsr.structure import Structure
 
 __all__ = [
     "arg_columns",
     "arg_positions",
+    "Strategy",
     "available",
+    "choose",
     "describe",
     "library_path",
     "plan",
     "product",
+    "one_piece",
+    "push_pieces",
     "put_attaining",
     "reads_transposed_data",
     "sddmm",
@@ -105,6 +114,8 @@ _MAX_THREADS = 0
 # allows; tests force each to compare their bits (_gather_stores)
 _GATHER_STORES = 0
 _REDUCE = {"sum": 0, "max": 1, "min": 2}
+# what unsorted ids in one piece run: the pull, or the push tests force to compare bits
+_ONE_PIECE = "pull"
 
 
 def library_path() -> Path | None:
@@ -149,6 +160,21 @@ def threads(n: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def one_piece(kernel: str) -> Iterator[None]:
+    """Unsorted ids that reduce in one piece run ``kernel`` in products traced inside the
+    block: ``"pull"`` (the choice) or ``"push"`` (what ran before; tests and
+    ``benchmarks.studies.one_piece`` compare the two). The same bits either way."""
+    global _ONE_PIECE
+    if kernel not in ("pull", "push"):
+        raise ValueError(f"kernel must be 'pull' or 'push', got {kernel!r}")
+    saved, _ONE_PIECE = _ONE_PIECE, kernel
+    try:
+        yield
+    finally:
+        _ONE_PIECE = saved
+
+
+@contextlib.contextmanager
 def _gather_stores(how: str) -> Iterator[None]:
     """Gathers (row and feature-major) traced inside the block store ``"auto"`` (the
     default), always ``"cached"`` or always ``"streamed"`` (past the caches, where the
@@ -167,17 +193,83 @@ def plan(structure: Structure) -> None:
     del structure
 
 
-def kernel_for(view: Structure) -> str:
-    """``"gather"`` for one entry per row, ``"push"`` for unsorted segment ids, else
-    ``"pull"``."""
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """What a native product runs and why (:func:`choose`).
+
+    Attributes:
+      kernel: ``"gather"``, ``"push"`` or ``"pull"``.
+      reason: one sentence on why, with the sizes it read.
+      pieces: the push's pieces for unsorted ids (the order rows are reduced in;
+        0 where no push is in question).
+    """
+
+    kernel: str
+    reason: str
+    pieces: int = 0
+
+
+@functools.cache
+def _pieces_function():
+    function = ctypes.cdll.LoadLibrary(str(library_path())).JaxcsrPushPieces
+    function.restype = ctypes.c_int64
+    function.argtypes = [ctypes.c_int64] * 4
+    return function
+
+
+def push_pieces(rows: int, entries: int, n_features: int, itemsize: int) -> int:
+    """The pieces a row-major push of ``entries`` ids into ``rows`` rows takes (1, 2
+    or 4), as the library computes it: fixed by the sizes, never by the machine, so
+    every machine reduces each row in the same order."""
+    return int(_pieces_function()(rows, entries, n_features, itemsize))
+
+
+def choose(
+    view: Structure, n_features: int | None = None, itemsize: int = 4,
+    feature_major: bool = False,
+) -> Strategy:  # fmt: skip
+    """The native kernel for a product of ``view`` with ``n_features`` features of
+    ``itemsize`` bytes, and why.
+
+    Unsorted segment ids (a one-per-column view planned on the host) reduce every row
+    in an order the sizes fix: the push's pieces (:func:`push_pieces`). With one piece
+    that is each row's ids in input order -- also the order of a pull through the
+    planned sort -- and the pull runs: it reads ``x`` through the sort once and writes
+    each output row once, where the one-piece push splits rows' features over the
+    threads and updates output rows at random (the pull measured 1.04-2.62x faster in
+    all 23 one-piece cells on 2 Intel Xeon cores, 1.2-391 MiB outputs:
+    ``benchmarks/results/cpu-xeon-avx512/one_piece/one_piece.md``). With 2 or 4 pieces only the
+    push reduces in that order. Ids planned on the device push: they have no sort to
+    pull through.
+    """
     if view.one_per_row:
-        return "gather"
-    return "push" if view.one_per_column and not view.sorted_ids else "pull"
+        return Strategy("gather", "one entry per row: rows copied (times their value)")
+    if not view.one_per_column or view.sorted_ids:
+        return Strategy("pull", "entries stored by row: each row reduced where it is")
+    if view.layout.padded:
+        return Strategy("push", "ids planned on the device: no sort to pull through")
+    if feature_major:
+        return Strategy("push", "feature-major: feature blocks pushed in input order")
+    if n_features is None:
+        return Strategy("push", "the push, or the pull where it takes one piece (by width)")
+    m, n = view.shape
+    pieces = push_pieces(m, n, n_features, itemsize)
+    if pieces > 1:
+        return Strategy(
+            "push", f"{pieces} pieces of ids into private partials ({m} rows, {n} ids)", pieces
+        )
+    return Strategy(
+        _ONE_PIECE, f"one piece ({m} rows, {n} ids): the pull through the sort, same order", 1
+    )
 
 
 def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
-    del n_features
-    return {"cpu": f"native {kernel_for(view)}"}
+    chosen = choose(view, n_features)
+    machine = profile()
+    stores = ""
+    if chosen.kernel == "gather":
+        stores = f"; outputs from {machine.stream_bytes / 2**20:g} MiB stored past the caches"
+    return {"cpu": f"native {chosen.kernel} ({chosen.reason}{stores})"}
 
 
 def runs(view: Structure, x_dtype, data_dtype, out_dtype) -> bool:
@@ -228,14 +320,16 @@ def product(
         values = none if data is None else view.row_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_gather", out)
         cols = view.row_of_col.astype(jnp.int32)  # empty rows (past n, padded: < 0): 0
-        return call(cols, values, x, stores=np.int64(_GATHER_STORES), **attrs)
-    if kernel_for(view) == "push":
+        stream = np.int64(profile().stream_bytes)
+        return call(cols, values, x, stores=np.int64(_GATHER_STORES), stream_bytes=stream, **attrs)
+    width = x.shape[0] if feature_major else x.shape[1]
+    if choose(view, width, dtype.itemsize, feature_major).kernel == "push":
         values = none if data is None else view.column_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_push", out)
         return call(view.indptr, view.row_of_col, values, x, reduce=reduction, **attrs)
     values = none if data is None else data.astype(dtype)
     indptr = view.view_indptr()
-    if view.one_per_column:  # sorted ids: entry k is column k
+    if view.one_per_column and view.sorted_ids:  # entry k is column k
         cols = jnp.zeros((0,), jnp.int32)
     else:
         cols = view.view_indices()

@@ -69,6 +69,8 @@ __all__ = [
     "covers",
     "default_for",
     "describe",
+    "host_rows",
+    "padded_rows",
     "plan",
     "plan_on_device",
     "plan_schedule",
@@ -317,13 +319,16 @@ jax.tree_util.register_dataclass(
 )
 
 
-def _padded_rows(rows, block_k: int, xp):
+def padded_rows(rows, block_k: int, xp):
+    """``(1, nnz padded to whole blocks of block_k)`` int32: each nonzero's row, -1 in
+    the padding (``xp``: numpy on the host, jax.numpy on the device)."""
     (nnz,) = rows.shape
     pad = max(1, -(-nnz // block_k)) * block_k - nnz
     return xp.concatenate([rows.astype(xp.int32), xp.full((pad,), -1, xp.int32)])[None, :]
 
 
-def _host_rows(indptr: np.ndarray) -> np.ndarray:
+def host_rows(indptr: np.ndarray) -> np.ndarray:
+    """The row of every nonzero of a row pointer, in CSR order (host)."""
     indptr = np.asarray(indptr, np.int64)
     return np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
 
@@ -332,11 +337,11 @@ def plan(structure: Structure) -> TpuPlan:
     """The host plan for a host :class:`~jaxcsr.structure.Structure` (numpy leaves)."""
     indptr, t_indptr = structure.kernel_indptrs()
     tiles = plan_schedule(indptr)
-    rows = _padded_rows(_host_rows(indptr), tiles.tiling.block_k, np)
+    rows = padded_rows(host_rows(indptr), tiles.tiling.block_k, np)
     if t_indptr is None:
         return TpuPlan(tiles, rows, None, None)
     t_tiles = plan_schedule(t_indptr)
-    t_rows = _padded_rows(_host_rows(t_indptr), t_tiles.tiling.block_k, np)
+    t_rows = padded_rows(host_rows(t_indptr), t_tiles.tiling.block_k, np)
     return TpuPlan(tiles, rows, t_tiles, t_rows)
 
 
@@ -353,7 +358,7 @@ def plan_on_device(structure: Structure) -> TpuPlan:
         marks = jnp.zeros((nnz,), jnp.int32).at[indptr[1:]].add(1, mode="drop")
         rows = jnp.cumsum(marks, dtype=jnp.int32)
         stored = jnp.arange(nnz, dtype=jnp.int32) < indptr[-1]
-        return _padded_rows(jnp.where(stored, rows, -1), tiling.block_k, jnp)
+        return padded_rows(jnp.where(stored, rows, -1), tiling.block_k, jnp)
 
     tiles = plan_schedule_on_device(indptr, nnz)
     plain = structure if not structure.transposed else structure.transpose()
@@ -643,12 +648,14 @@ def covers(view: Structure) -> bool:
     return not view.one_per_row
 
 
-def default_for(view: Structure) -> bool:
-    """Whether ``impl=None`` runs the kernel on a view it covers: not for unsorted ids
+def default_for(view: Structure, dtype: Any = None, reduce: str | None = "sum") -> bool:
+    """Backend entry (``Backend.default_for``): whether ``impl=None`` runs the kernel on
+    a view it covers, whatever the dtype and reduction: not for unsorted ids
     planned on the device, whose sort and gather on a TPU cost more than XLA's scatter
     on ids that arrive grouped by segment (measured on tolokers: 11.9 ms against
     9.7 ms at 128 float32 features; ``benchmarks/results/tpu-v5e/``). Sorted traced
     ids (``indices_are_sorted=True``) need neither and run the kernel."""
+    del dtype, reduce
     return not (view.layout.padded and view.one_per_column and not view.sorted_ids)
 
 

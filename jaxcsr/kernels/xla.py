@@ -35,7 +35,7 @@ unsorted ids (X's rows gathered at random) only from
 :data:`UNSORTED_CSR_KERNEL_MIN_WIDTH`, and never for ids planned on the device,
 whose sort it would pay at every call; general matrices run it from
 :data:`CSR_KERNEL_MIN_WIDTH` and the gather + sorted segment sum below. The timings
-are in ``benchmarks/results/cpu/strategies.md`` (``python -m
+are in ``benchmarks/results/cpu-epyc/strategies/strategies.md`` (``python -m
 benchmarks.studies.strategies``).
 
 Every function here takes non-empty operands (rows, columns, entries and features

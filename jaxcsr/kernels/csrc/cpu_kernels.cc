@@ -1671,20 +1671,17 @@ constexpr bool kStreams = true;
 constexpr bool kStreams = false;
 #endif
 
-// How a large output is stored: kAuto streams outputs of kStreamBytes or more into
-// resident pages; the others force one way (tests: both give the same bits).
+// How a large output is stored: kAuto streams outputs of ``stream_bytes`` or more (the
+// machine's, chosen in Python: jaxcsr.machine) into resident pages; the others force
+// one way (tests: both give the same bits).
 enum class Stores : int64_t { kAuto = 0, kCached = 1, kStreamed = 2 };
-
-// Outputs from this size on are streamed past the caches into resident pages: at
-// 17 MB plain and streamed stores measured the same, at 33 MB streamed 2x faster.
-constexpr int64_t kStreamBytes = int64_t{24} << 20;
 
 // Whether an output of ``bytes`` at y, whose layout allows it, is stored past the
 // caches: where the instructions exist, as ``stores`` forces, or (kAuto) from
-// kStreamBytes on into resident pages.
-bool streams_output(Stores stores, const void* y, int64_t bytes) {
+// ``stream_bytes`` on into resident pages.
+bool streams_output(Stores stores, int64_t stream_bytes, const void* y, int64_t bytes) {
   return kStreams && (stores == Stores::kStreamed ||
-                      (stores == Stores::kAuto && bytes >= kStreamBytes &&
+                      (stores == Stores::kAuto && bytes >= stream_bytes &&
                        pages_resident(y, bytes)));
 }
 
@@ -1734,7 +1731,8 @@ template <typename In, typename Out, typename Unused>
 struct GatherKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* cols,
                         const void* data, const void* x, void* y, int64_t rows, int64_t n,
-                        int64_t f, bool feature_major, Stores stores) {
+                        int64_t f, bool feature_major, Stores stores,
+                        int64_t stream_bytes) {
     const int64_t threads = thread_count(pool, max_threads);
     if (feature_major) {  // features one at a time, by parts of the rows
       // the columns as they are when all are inside x (one branch-free pass), else
@@ -1758,7 +1756,7 @@ struct GatherKernel {
       using S = typename Out::Storage;
       auto* out = static_cast<S*>(y);
       const bool stream = std::is_same<In, Out>::value && !data &&
-                          streams_output(stores, y, rows * f * int64_t{sizeof(S)});
+                          streams_output(stores, stream_bytes, y, rows * f * int64_t{sizeof(S)});
       parallel_chunks(pool, f * parts, use, [&](int64_t c) {
         const int64_t k = c / parts, p = c % parts;
         if (stream) {
@@ -1780,7 +1778,7 @@ struct GatherKernel {
     const int64_t row_bytes = f * static_cast<int64_t>(sizeof(typename Out::Storage));
     const bool stream = std::is_same<In, Out>::value && !data && row_bytes >= 32 &&
                         row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(y) % 16 == 0 &&
-                        streams_output(stores, y, rows * row_bytes);
+                        streams_output(stores, stream_bytes, y, rows * row_bytes);
     if (stream) {
       parallel_chunks(pool, chunks, threads, [&](int64_t c) {
         run_best<GatherRowsStreamed<In, Out>>(
@@ -1802,9 +1800,10 @@ struct GatherKernel {
 
 ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer data,
                       ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> y, int64_t max_threads,
-                      int64_t feature_major, int64_t stores) {
+                      int64_t feature_major, int64_t stores, int64_t stream_bytes) {
   const int64_t rows = static_cast<int64_t>(cols.element_count());
   if (stores < 0 || stores > 2) return ffi::Error::InvalidArgument("jaxcsr cpu: bad stores");
+  if (stream_bytes < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: bad stream_bytes");
   const bool fm = feature_major != 0;
   if (auto err = check_2d(x, y, rows, fm); err.failure()) return err;
   const auto [n, f] = entries_and_features(x, fm);
@@ -1815,7 +1814,7 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::Any
   return dispatch<GatherKernel>(x.element_type(), y->element_type(), 0, pool, max_threads,
                                 cols.typed_data(), has_data ? data.untyped_data() : nullptr,
                                 x.untyped_data(), y->untyped_data(), rows, n, f, fm,
-                                static_cast<Stores>(stores));
+                                static_cast<Stores>(stores), stream_bytes);
 }
 
 // ------------------------------------------------------------------ put at the attaining
@@ -2613,6 +2612,15 @@ auto pull_binding() {
 // The instruction set the loops run with: 0 the baseline, 1 AVX2, 2 AVX-512 (for tests).
 extern "C" int JaxcsrCpuIsa() { return has_avx512() ? 2 : has_avx2() ? 1 : 0; }
 
+// The pieces a row-major product push of ``entries`` ids into ``rows`` rows of ``f``
+// features takes (push_piece_count): the order every row is reduced in. The Python
+// side reads it to choose the push or the pull, which reduce in the same order where
+// it is 1, and to say which runs (plan_info).
+extern "C" int64_t JaxcsrPushPieces(int64_t rows, int64_t entries, int64_t f,
+                                    int64_t itemsize) {
+  return push_piece_count(rows, entries, f, f * itemsize, itemsize == 2);
+}
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrCsrPull, CsrPullImpl, pull_binding());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrRowPush, RowPushImpl, push_binding());
@@ -2668,4 +2676,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrGather, GatherImpl,
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("max_threads")
                                   .Attr<int64_t>("feature_major")
-                                  .Attr<int64_t>("stores"));
+                                  .Attr<int64_t>("stores")
+                                  .Attr<int64_t>("stream_bytes"));

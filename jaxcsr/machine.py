@@ -1,0 +1,301 @@
+"""The machine products run on: what the CPU backend's choices read.
+
+Cache sizes and the core count come from the OS (Linux ``/sys``; ``os.sysconf``
+elsewhere). Memory bandwidths (read, copy, write into fresh pages) and the floor of one
+jitted call are measured once per machine, in about half a second, and stored in a JSON file
+(:func:`cache_file`); later processes read the file. ``python -m jaxcsr.calibrate``
+measures again and prints the profile.
+
+Environment:
+
+* ``JAXCSR_CACHE_DIR`` -- where the file lives (default ``$XDG_CACHE_HOME/jaxcsr``,
+  else ``~/.cache/jaxcsr``); one file per machine, named by a hash of what the OS
+  reports (CPU model, cores, caches).
+* ``JAXCSR_CALIBRATE=0`` -- never measure on first use: without a stored file the
+  profile is :data:`DEFAULT`, the conservative values the backend's constants were
+  first fitted with, whatever the machine.
+
+Choices read the profile when a product is traced. None of them changes a result's
+bits: what they choose between reduces every row in the same order
+(``docs/cpu.md``, "How the CPU backend chooses").
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import platform
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+
+__all__ = [
+    "DEFAULT",
+    "MachineProfile",
+    "cache_file",
+    "calibrate",
+    "profile",
+    "use",
+]
+
+_MiB = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class MachineProfile:
+    """What the choices know of a machine.
+
+    Attributes:
+      cpu: the CPU's model name as the OS reports it.
+      cores: CPUs this process may run on.
+      l2_bytes: level-2 cache per core.
+      l3_bytes: last-level cache, all of it (0: none reported).
+      read_gbs: one thread's read bandwidth over arrays of twice the L3 (at most
+        128 MiB; GB/s; NaN: not measured).
+      copy_gbs: one thread's copy bandwidth (bytes read + written per second).
+      write_gbs: one thread's write bandwidth into fresh pages (page faults included).
+      call_floor_us: the median time of a jitted call that does almost nothing (µs).
+      source: ``"measured"``, ``"file"`` (read from :func:`cache_file`), ``"defaults"``
+        or ``"given"`` (built by hand, as tests do).
+    """
+
+    cpu: str
+    cores: int
+    l2_bytes: int
+    l3_bytes: int
+    read_gbs: float = float("nan")
+    copy_gbs: float = float("nan")
+    write_gbs: float = float("nan")
+    call_floor_us: float = float("nan")
+    source: str = "given"
+
+    def __post_init__(self):
+        for name in ("cores", "l2_bytes", "l3_bytes"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise ValueError(
+                    f"MachineProfile: {name} must be a non-negative int, got {value!r}"
+                )
+        if self.cores < 1:
+            raise ValueError(f"MachineProfile: cores must be >= 1, got {self.cores}")
+
+    @property
+    def stream_bytes(self) -> int:
+        """Outputs of a row gather from this size on are stored past the caches (into
+        pages already resident): three quarters of the last-level cache, where an
+        output larger than it cannot stay in cache anyway (24 MiB without an L3)."""
+        return (3 * self.l3_bytes) // 4 if self.l3_bytes else 24 * _MiB
+
+    def summary(self) -> str:
+        """One line: the machine and what was measured."""
+        measured = (
+            f"read {self.read_gbs:.1f} GB/s, copy {self.copy_gbs:.1f} GB/s, fresh-page "
+            f"write {self.write_gbs:.1f} GB/s (one thread), call floor "
+            f"{self.call_floor_us:.1f} us"
+            if np.isfinite(self.read_gbs)
+            else "bandwidths not measured"
+        )
+        return (
+            f"{self.cpu}: {self.cores} cores, L2 {self.l2_bytes / _MiB:g} MiB per core, "
+            f"L3 {self.l3_bytes / _MiB:g} MiB; {measured} ({self.source})"
+        )
+
+
+DEFAULT = MachineProfile(
+    "unknown", cores=2, l2_bytes=1 * _MiB, l3_bytes=32 * _MiB, source="defaults"
+)
+"""The profile without a measurement (``JAXCSR_CALIBRATE=0`` and no stored file): a
+2-core part with 1 MiB of L2 per core and 32 MiB of L3, the machine the backend's
+constants were first fitted on; its choices are the backend's original ones."""
+
+_CURRENT: MachineProfile | None = None
+_OVERRIDE: list[MachineProfile] = []
+
+
+def _cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown"
+
+
+def _cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+def _size(text: str) -> int:
+    text = text.strip().upper()
+    scale = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
+    return int(text.rstrip("KMG") or 0) * scale
+
+
+def _caches() -> tuple[int, int]:
+    """``(L2 per core, L3)`` in bytes from ``/sys`` (0 where not reported)."""
+    sizes = {2: 0, 3: 0}
+    base = Path("/sys/devices/system/cpu/cpu0/cache")
+    for index in sorted(base.glob("index*")) if base.is_dir() else ():
+        try:
+            level = int((index / "level").read_text())
+            kind = (index / "type").read_text().strip()
+            if level in sizes and kind in ("Unified", "Data"):
+                sizes[level] = _size((index / "size").read_text())
+        except (OSError, ValueError):
+            continue
+    if not sizes[2] and hasattr(os, "sysconf"):
+        for level, name in ((2, "SC_LEVEL2_CACHE_SIZE"), (3, "SC_LEVEL3_CACHE_SIZE")):
+            with contextlib.suppress(ValueError, OSError):
+                sizes[level] = max(int(os.sysconf(name)), 0)
+    return sizes[2], sizes[3]
+
+
+def _reported() -> MachineProfile:
+    """What the OS reports, nothing measured."""
+    l2, l3 = _caches()
+    return MachineProfile(_cpu_name(), _cores(), l2 or DEFAULT.l2_bytes, l3, source="reported")
+
+
+def cache_file() -> Path:
+    """The file this machine's profile is stored in."""
+    root = os.environ.get("JAXCSR_CACHE_DIR")
+    if not root:
+        xdg = os.environ.get("XDG_CACHE_HOME")
+        root = str(Path(xdg) / "jaxcsr") if xdg else str(Path.home() / ".cache" / "jaxcsr")
+    r = _reported()
+    key = f"{r.cpu}|{r.cores}|{r.l2_bytes}|{r.l3_bytes}|{platform.machine()}"
+    return Path(root) / f"machine-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+
+
+def _best(fn, repeats: int = 3) -> float:
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def _call_floor_us() -> float:
+    import jax
+    import jax.numpy as jnp
+
+    tiny = jax.jit(lambda v: v + 1)
+    v = jnp.zeros((8,), jnp.float32)
+    tiny(v).block_until_ready()
+    times = []
+    for _ in range(200):
+        start = time.perf_counter()
+        tiny(v).block_until_ready()
+        times.append(time.perf_counter() - start)
+    return float(np.median(times) * 1e6)
+
+
+def _measure(reported: MachineProfile) -> MachineProfile:
+    """Bandwidths over arrays of twice the L3, within 32-128 MiB, best of three; the
+    call floor over 200 calls. About half a second."""
+    size = int(min(max(2 * reported.l3_bytes, 32 * _MiB), 128 * _MiB)) // 8
+    src = np.empty(size)
+    write = _best(lambda: np.empty(size).fill(1.0))  # a new array each time: fresh pages
+    src.fill(1.0)
+    dst = np.empty_like(src)
+    dst.fill(0.0)
+    read = _best(lambda: src.sum())
+    copy = _best(lambda: np.copyto(dst, src))
+    gbs = size * 8 / 1e9
+    return dataclasses.replace(
+        reported,
+        read_gbs=round(gbs / read, 2),
+        copy_gbs=round(2 * gbs / copy, 2),
+        write_gbs=round(gbs / write, 2),
+        call_floor_us=round(_call_floor_us(), 2),
+        source="measured",
+    )
+
+
+def calibrate(store: bool = True) -> MachineProfile:
+    """Measures this machine (about a second) and, with ``store``, writes the profile
+    to :func:`cache_file` (replacing any there) and makes it the current one."""
+    global _CURRENT
+    measured = _measure(_reported())
+    if store:
+        path = cache_file()
+        fields = dataclasses.asdict(measured)
+        fields.pop("source")
+        record = {"profile": fields, "date": datetime.date.today().isoformat()}
+        try:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
+                json.dump(record, f, indent=1)
+            os.replace(f.name, path)  # whole or not at all, for concurrent processes
+        except OSError as err:
+            import warnings
+
+            warnings.warn(f"jaxcsr: machine profile not stored at {path}: {err}", stacklevel=2)
+        _CURRENT = measured
+    return measured
+
+
+def _load(path: Path) -> MachineProfile | None:
+    try:
+        fields = json.loads(path.read_text())["profile"]
+        return MachineProfile(**fields, source="file")
+    except (OSError, ValueError, KeyError, TypeError):
+        return None  # missing or from another version: measure again
+
+
+def _calibration_on() -> bool:
+    return os.environ.get("JAXCSR_CALIBRATE", "1").strip().lower() not in (
+        "0",
+        "off",
+        "false",
+        "no",
+    )
+
+
+def profile() -> MachineProfile:
+    """The profile choices read: one given with :func:`use`, else this process's (the
+    stored file, else a measurement stored for the next process, else :data:`DEFAULT`
+    with calibration off), found once per process."""
+    global _CURRENT
+    if _OVERRIDE:
+        return _OVERRIDE[-1]
+    if _CURRENT is None:
+        stored = _load(cache_file())
+        if stored is not None:
+            _CURRENT = stored
+        elif _calibration_on():
+            _CURRENT = calibrate(store=True)
+        else:
+            _CURRENT = DEFAULT
+    return _CURRENT
+
+
+@contextlib.contextmanager
+def use(machine: MachineProfile) -> Iterator[MachineProfile]:
+    """Products traced inside the block choose for ``machine`` (tests, what-if studies).
+    Jitted functions keep what they chose when traced."""
+    if not isinstance(machine, MachineProfile):
+        raise TypeError(f"use: machine must be a MachineProfile, got {type(machine).__name__}")
+    _OVERRIDE.append(machine)
+    try:
+        yield machine
+    finally:
+        _OVERRIDE.pop()
+
+
+def _forget() -> None:
+    """Drops this process's profile (tests: the next :func:`profile` looks again)."""
+    global _CURRENT
+    _CURRENT = None

@@ -1,0 +1,67 @@
+"""Every native product kind under the instruction set ``JAXCSR_CPU_ISA`` caps, saved to
+``argv[1]`` (an ``.npz``) for the bit comparison across builds; ``argv[2]``: the seed."""
+
+
+def main() -> None:
+    import ctypes
+    import sys
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    import jaxcsr
+    from jaxcsr.kernels import cpu
+
+    assert cpu.available(), cpu.library_path()
+    isa = ctypes.CDLL(str(cpu.library_path())).JaxcsrCpuIsa()
+    rng = np.random.default_rng(int(sys.argv[2]))
+    m, n, k = 37, 45, 3001
+    ids = rng.integers(0, m, k)
+    ids[: k // 2] = 5  # a hub
+    few = rng.integers(0, 2000, k)
+    rows, cols = rng.integers(0, m, k), rng.integers(0, n, k)
+    outs = {}
+    for dtype in (np.float32, jnp.bfloat16, np.float16):
+        name = np.dtype(dtype).name
+        G = jaxcsr.CSRMatrix.from_coo(
+            rows, cols, rng.standard_normal(k).astype(np.float32), shape=(m, n)
+        )
+        G = G.with_data(G.data.astype(dtype))
+        # 1 (eight lanes), 16 and 64 (whole vectors), 19 and 72 (loops past the vectors)
+        for f in (1, 16, 19, 64, 72):
+            # unsorted ids with 1.5 a row reduce in one piece: the pull runs them
+            for order, these, rows_of in (
+                ("sorted", np.sort(ids), m),
+                ("unsorted", ids, m),
+                ("one piece", few, 2000),
+            ):
+                A = jaxcsr.CSRMatrix.from_indices(these, rows_of)
+                v = jnp.asarray(rng.standard_normal((k, f)), dtype)
+                for reduce in ("sum", "max"):
+                    outs[f"{name} {f} {order} {reduce}"] = jaxcsr.matmul(A, v, reduce=reduce)
+                y = jnp.asarray(rng.standard_normal((rows_of, f)), dtype)
+                outs[f"{name} {f} {order} gather"] = A.T @ y
+                outs[f"{name} {f} {order} last axis"] = v.T @ A.T
+                outs[f"{name} {f} {order} max grad"] = jax.grad(
+                    lambda v: jaxcsr.matmul(A, v, reduce="max").astype(jnp.float32).sum()
+                )(v)
+                outs[f"{name} {f} {order} softmax"] = jaxcsr.segment_softmax(v, these, rows_of)
+            x = jnp.asarray(rng.standard_normal((n, f)), dtype)
+            ct = jnp.asarray(rng.standard_normal((m, f)), dtype)
+            outs[f"{name} {f} general max"] = jaxcsr.matmul(G, x, reduce="max")
+            outs[f"{name} {f} general sum"] = G @ x
+            outs[f"{name} {f} general vjp"] = jax.vjp(lambda x, d: G.with_data(d) @ x, x, G.data)[
+                1
+            ](ct)
+    leaves = jax.tree_util.tree_leaves_with_path(outs)  # the VJP's pair: two leaves
+    np.savez(
+        sys.argv[1],
+        isa=isa,
+        **{jax.tree_util.keystr(path): np.asarray(v, np.float32) for path, v in leaves},
+    )
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
