@@ -344,8 +344,8 @@ class CSRMatrix(SparseOperand):
                 raise ValueError(
                     f"row and col must have the same length, got {row.size} and {col.size}"
                 )
-            structure, order = device_plan.coo_structure(row, col, shape)
-            return cls._planned(structure, data, backends, order, on_device=True)
+            structure, device_order = device_plan.coo_structure(row, col, shape)
+            return cls._planned(structure, data, backends, device_order, on_device=True)
         row, col = check_coo(row, col, shape)
         indptr, indices, order = plan.coo_to_csr(row, col, shape)
         return cls._from_host_csr(indptr, indices, data, shape, backends, order)
@@ -635,7 +635,7 @@ class CSRMatrix(SparseOperand):
                 f"CSRMatrix.from_indices(idx, num_rows, backends=['xla', {impl!r}])"
             )
         if impl is not None and not kernels.BACKENDS[impl].supports(x.dtype, self.dtype):
-            names = "/".join(sorted(str(d) for d in kernels.BACKENDS[impl].dtypes))
+            names = "/".join(sorted(str(d) for d in kernels.BACKENDS[impl].dtypes or ()))
             raise TypeError(
                 f"impl={impl!r} supports {names}, got X {x.dtype} and data {self.dtype}"
             )

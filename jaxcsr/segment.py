@@ -554,6 +554,7 @@ def segment_prod(data: Any, segment_ids: Any, num_segments: Size = None,
     axis = _check_axis(data, axis)
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    ids: Any
     if is_traced(segment_ids):
         ids, num_segments = _traced_ids(segment_ids, num_segments, mode)
     else:
@@ -575,5 +576,5 @@ def segment_prod(data: Any, segment_ids: Any, num_segments: Size = None,
 
 
 for _reduction in (segment_sum, segment_mean, segment_max, segment_min):
-    _summary, _example = _reduction.__doc__.split("\n\n    Example:", 1)
+    _summary, _example = (_reduction.__doc__ or "").split("\n\n    Example:", 1)
     _reduction.__doc__ = f"{_summary}\n{_ARGS}\n    Example:{_example}"

@@ -103,13 +103,13 @@ def balanced_row_blocks(lengths: np.ndarray, parts: int, slack: float = SLACK) -
             hi = mid
     capacity = max(lo, int(slack * cum[-1] / parts))
     even = _even_row_blocks(m, parts)
-    starts = [0]
+    chosen = [0]
     for p in range(1, parts):
-        upper = int(np.searchsorted(cum, cum[starts[-1]] + capacity, side="right")) - 1
+        upper = int(np.searchsorted(cum, cum[chosen[-1]] + capacity, side="right")) - 1
         lower = int(np.searchsorted(cum, cum[-1] - (parts - p) * capacity, side="left"))
-        starts.append(min(max(int(even[p]), lower, starts[-1]), max(upper, starts[-1])))
-    starts.append(m)
-    starts = np.array(starts)
+        chosen.append(min(max(int(even[p]), lower, chosen[-1]), max(upper, chosen[-1])))
+    chosen.append(m)
+    starts = np.array(chosen)
     if np.diff(cum[starts]).max(initial=0) > capacity:  # cannot happen; stay safe
         starts = np.minimum(fill(lo), m)
     return starts
@@ -607,10 +607,13 @@ class _RowBlocks:
 
     def input_order(self, p: int) -> np.ndarray:
         """``(K_b,)`` segment form: the input position (column) per slot, -1: padding."""
-        return self._padded(self.entries(p)[0] if self.segment else [], -1, np.int32)
+        columns = self.entries(p)[0] if self.segment else np.zeros(0, np.int32)
+        return self._padded(columns, -1, np.int32)
 
     def values(self, p: int, dtype) -> np.ndarray:
-        return self._padded(self.entries(p)[1], 0, dtype)
+        values = self.entries(p)[1]
+        assert values is not None, "a block of a matrix with values"
+        return self._padded(values, 0, dtype)
 
     def structure(self, p: int) -> Structure:
         """Host structure of block ``p``: its rows, empty rows up to the row capacity,
@@ -661,8 +664,12 @@ def _place_index(blocks: _RowBlocks, backends, sharding) -> tuple[list[jax.Array
         return planned[p]
 
     count = len(leaves_of(_local_blocks(sharding)[0]))
+
+    def leaf(k: int, p: int) -> np.ndarray:
+        return leaves_of(p)[k]
+
     leaves = [
-        _from_blocks(lambda p, k=k: leaves_of(p)[k], blocks.shards, sharding) for k in range(count)
+        _from_blocks(functools.partial(leaf, k), blocks.shards, sharding) for k in range(count)
     ]
     assert len(trees) == 1, "row blocks must share one static layout"
     return leaves, trees.pop()
@@ -676,8 +683,9 @@ def _local_blocks(sharding: NamedSharding) -> list[int]:
 def _block_ids(sharding: NamedSharding, device) -> range:
     """The blocks (rows of a ``(shards, ...)`` array) that ``device`` holds."""
     shards = int(sharding.mesh.shape[sharding.spec[0]])
-    index = sharding.addressable_devices_indices_map((shards,))[device][0]
-    return range(shards)[index]
+    index = sharding.addressable_devices_indices_map((shards,))[device]
+    assert index is not None
+    return range(shards)[index[0]]
 
 
 def _check_same_everywhere(parts: list[np.ndarray], message: str) -> None:
@@ -1031,11 +1039,11 @@ def _explicit(mesh) -> bool:
 def _block_product(
     x, *rest, plan_: _Plan, rows: int, reduce: str, return_arg: bool, in_order: bool
 ):
-    rest = list(rest)
-    leaves = [rest.pop(0)[0] for _ in range(plan_.index_tree.num_leaves)]
-    data = rest.pop(0) if plan_.has_data else None
-    send, recv = (rest.pop(0)[0], rest.pop(0)[0]) if not plan_.aligned else (None, None)
-    order = rest.pop(0) if in_order else None  # this block's input positions, -1: pad
+    queue = list(rest)
+    leaves = [queue.pop(0)[0] for _ in range(plan_.index_tree.num_leaves)]
+    data = queue.pop(0) if plan_.has_data else None
+    send, recv = (queue.pop(0)[0], queue.pop(0)[0]) if not plan_.aligned else (None, None)
+    order = queue.pop(0) if in_order else None  # this block's input positions, -1: pad
     if in_order:  # lay this block's edges out from the replicated input-order values
         x = x.at[order].get(mode="fill", fill_value=0, wrap_negative_indices=False)
     index = jax.tree_util.tree_unflatten(plan_.index_tree, leaves)
@@ -1045,7 +1053,7 @@ def _block_product(
         return _relayout(out, send, recv, plan_, rows)
     out, arg = out
     k_b = plan_.block_cols
-    if in_order:  # block column j holds input position order[j]
+    if order is not None:  # block column j holds input position order[j]
         position = order[jnp.minimum(arg, k_b - 1)]
         arg = jnp.where(arg < k_b, position, plan_.shape[1]).astype(arg.dtype)
     elif plan_.form == "segment":  # block column j of device p is laid-out column p*K_b + j

@@ -78,7 +78,7 @@ def check_size(value: Any, name: str) -> int:
 def check_index_range(size: int, name: str) -> int:
     """Rejects a size that needs int64 indices while JAX runs without 64-bit types
     (JAX would truncate the indices to int32), before anything is allocated."""
-    if size >= INT32_SIZE_LIMIT and not jax.config.jax_enable_x64:
+    if size >= INT32_SIZE_LIMIT and not jax.config.read("jax_enable_x64"):
         raise ValueError(
             f"{name} = {size} needs 64-bit indices (sizes must be < 2**31 - 1 = "
             f"{INT32_SIZE_LIMIT} with int32 indices); enable jax_enable_x64 for int64 "

@@ -312,20 +312,20 @@ def product(
     dtype = product_dtype(x.dtype, data_dtype)
     x = x.astype(dtype)
     m = view.shape[0]
-    out = jax.ShapeDtypeStruct((x.shape[0], m) if feature_major else (m, x.shape[1]), out_dtype)
+    result = jax.ShapeDtypeStruct((x.shape[0], m) if feature_major else (m, x.shape[1]), out_dtype)
     none = jnp.zeros((0,), dtype)
     attrs = {"max_threads": np.int64(_MAX_THREADS), "feature_major": np.int64(feature_major)}
     reduction = np.int64(_REDUCE[reduce])
     if view.one_per_row:  # y[i] = data_i * x[col_i]: a row gather, no reduction
         values = none if data is None else view.row_values(data).astype(dtype)
-        call = jax.ffi.ffi_call("jaxcsr_cpu_gather", out)
+        call = jax.ffi.ffi_call("jaxcsr_cpu_gather", result)
         cols = view.row_of_col.astype(jnp.int32)  # empty rows (past n, padded: < 0): 0
         stream = np.int64(profile().stream_bytes)
         return call(cols, values, x, stores=np.int64(_GATHER_STORES), stream_bytes=stream, **attrs)
     width = x.shape[0] if feature_major else x.shape[1]
     if choose(view, width, dtype.itemsize, feature_major).kernel == "push":
         values = none if data is None else view.column_values(data).astype(dtype)
-        call = jax.ffi.ffi_call("jaxcsr_cpu_push", out)
+        call = jax.ffi.ffi_call("jaxcsr_cpu_push", result)
         return call(view.indptr, view.row_of_col, values, x, reduce=reduction, **attrs)
     values = none if data is None else data.astype(dtype)
     indptr = view.view_indptr()
@@ -335,7 +335,7 @@ def product(
         cols = view.view_indices()
     # data_transposed: the view is a planned transpose, entry j's value is data[t_perm[j]]
     perm = view.t_perm.astype(jnp.int32) if data_transposed else jnp.zeros((0,), jnp.int32)
-    call = jax.ffi.ffi_call("jaxcsr_cpu_pull", out)
+    call = jax.ffi.ffi_call("jaxcsr_cpu_pull", result)
     indices = (indptr.astype(jnp.int32), cols.astype(jnp.int32))
     return call(*indices, values, perm, x, reduce=reduction, **attrs)
 

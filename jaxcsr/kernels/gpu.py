@@ -47,7 +47,7 @@ from jax.experimental import pallas as pl
 try:  # JAX 0.11 marks the Pallas Triton backend deprecated; it may go away.
     from jax.experimental.pallas import triton as pltriton
 except ImportError:  # pragma: no cover - exercised by a subprocess test
-    pltriton = None
+    pltriton = None  # type: ignore[assignment]
 
 from jaxcsr.structure import Structure
 
@@ -549,6 +549,7 @@ def product(
     """Backend entry: the viewed matrix (not one-per-row: :func:`covers`) times ``x``."""
     del platform
     lanes = gpu_plan.t_lanes if structure.transposed else gpu_plan.lanes
+    assert lanes is not None, "a transposed view of a planned transpose"
     return spmm(
         x,
         data,

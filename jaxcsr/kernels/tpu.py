@@ -154,6 +154,7 @@ def choose_tiling(num_rows: int, nnz: int) -> Tiling:
             cost = steps * (_STEP_SECONDS + max(dma, mxu))
             if best is None or cost < best[0] - 1e-12:
                 best = (cost, Tiling(block_k, window, block_m))
+    assert best is not None
     return best[1]
 
 
@@ -201,7 +202,7 @@ def schedule_capacity(num_rows: int, nnz: int, tiling: Tiling) -> int:
     return pairs + (tiles * tiling.block_m + SUBLANES * pairs) // tiling.window + 1
 
 
-def _pack(block, tile, flags, start, lo):
+def _pack(block, tile, flags, start, lo) -> tuple[Any, Any, Any]:
     """The three step arrays of a :class:`Schedule` from its five per-step fields."""
     return block, (tile << _FLAG_BITS) | flags, start | (lo << _LO_SHIFT)
 
@@ -292,8 +293,7 @@ def plan_schedule_on_device(indptr: jax.Array, nnz: int, tiling: Tiling | None =
     flags = jnp.where(real & (tile != prev_tile), FIRST, 0)
     flags = flags | jnp.where(empty[step_pair] | ~real, SKIP, 0)
     fields = (pair_block[step_pair], tile, flags, start, lo)
-    fields = tuple(f.astype(jnp.int32) for f in fields)
-    return Schedule(*_pack(*fields), t)
+    return Schedule(*_pack(*(f.astype(jnp.int32) for f in fields)), t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -405,6 +405,7 @@ def _select(onehot: jax.Array, values: jax.Array, num_parts: int) -> jax.Array:
     for part in _parts(values, num_parts):
         term = jnp.dot(hot, part, preferred_element_type=jnp.float32)
         out = term if out is None else out + term
+    assert out is not None
     return out
 
 
@@ -714,6 +715,7 @@ def product(
         tiles, rows = tpu_plan.t_tiles, tpu_plan.t_rows
     else:
         tiles, rows = tpu_plan.tiles, tpu_plan.rows
+    assert tiles is not None and rows is not None, "a transposed view of a planned transpose"
     run = functools.partial(
         spmm,
         values,
