@@ -29,8 +29,8 @@ its transpose is the product with the transposed view (and an SDDMM for ``data``
 Max and min are piecewise linear: their JVP takes the tangents at the entry that
 attains each output, so the gradient reaches the arg positions only. For at most one
 nonzero per column (``from_indices``) it is ``dX`` taken at the attaining columns
-(:func:`take_attaining`, a linear primitive whose transpose puts ``ct`` there in one
-pass) where a kernel has its own search, else the masked sum ``A @ (mask * dX)``
+(:func:`jaxcsr.take_attaining.take_attaining`, a linear primitive whose transpose puts
+``ct`` there in one pass) where a kernel has its own search, else the masked sum ``A @ (mask * dX)``
 (:func:`arg_search`'s ``column_mask``), transposed by the sum's own rule;
 otherwise a gather at its ``positions``, which JAX transposes into a scatter-add.
 """
@@ -39,32 +39,25 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 from jax.extend.core import Primitive
-
-try:  # the public spelling; jax.core's aliases are being retired
-    from jax.core import ShapedArray
-except ImportError:  # pragma: no cover - future jax
-    from jax._src.core import ShapedArray
 from jax.interpreters import ad, batching, mlir
 
 from jaxcsr import kernels
 from jaxcsr.dtypes import accumulation_dtype, product_dtype
+from jaxcsr.primitive import ShapedArray, def_jitted_impl, map_over_batch
 from jaxcsr.structure import Structure
+from jaxcsr.take_attaining import take_attaining
 
 __all__ = [
     "EXTREMES",
     "REDUCTIONS",
     "Index",
-    "ShapedArray",
     "arg_search",
     "backend_for",
-    "def_jitted_impl",
-    "map_over_batch",
     "csr_matmul_p",
     "opaque",
     "product",
@@ -78,20 +71,6 @@ REDUCTIONS: tuple[str, ...] = ("sum", "mean", "max", "min")
 """``reduce=`` values of every product."""
 EXTREMES: tuple[str, ...] = ("max", "min")
 """The reductions with an arg (``return_arg``) and a piecewise-linear gradient."""
-
-
-def map_over_batch(fn, args: Sequence[Any], dims: Sequence[int | None]) -> jax.Array:
-    """``fn(*args)`` once per batch element (``lax.map``), for ``args`` batched at
-    ``dims`` (``None``: shared by every element). The batching rule of an index that
-    differs per element (``vmap`` over id arrays planned on the device): each element
-    has its own structure, so the products run one after another."""
-    batched = [jnp.moveaxis(a, d, 0) for a, d in zip(args, dims, strict=True) if d is not None]
-
-    def one(slices):
-        taken = iter(slices)
-        return fn(*[a if d is None else next(taken) for a, d in zip(args, dims, strict=True)])
-
-    return jax.lax.map(one, batched)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -499,16 +478,6 @@ def _lowered_impl(
     return out.T if feature_major and not native else out
 
 
-@functools.cache
-def _jitted_bind(primitive: Primitive, **params):
-    return jax.jit(functools.partial(primitive.bind, **params))
-
-
-def def_jitted_impl(primitive: Primitive) -> None:
-    """Eager calls of ``primitive`` run its lowering, jitted once per set of params."""
-    primitive.def_impl(lambda *operands, **params: _jitted_bind(primitive, **params)(*operands))
-
-
 def_jitted_impl(csr_matmul_p)
 def_jitted_impl(sddmm_p)
 
@@ -634,79 +603,6 @@ def _at_columns(search: kernels.ArgSearch, structure: Structure):
         return at.tangent(x, data, out, x_dot, data_dot)
 
     return tangent
-
-
-# ---------------------------------------------------------- taken at the attaining
-take_attaining_p = Primitive("take_attaining")
-"""``(m, F)``: ``x[columns[r, f], f]`` where ``columns[r, f] < n``, else 0, for the
-columns attaining a max/min of a one-per-column view (:func:`take_attaining`). Linear
-in ``x``. Its transpose puts each row's cotangent at its attaining column in one pass
-over ``(n, F)``: column ``k`` of row ``rows[k]`` receives ``ct[rows[k], f]`` where
-``columns[rows[k], f] == k`` -- no zeros written first, no scatter (the transpose of
-``take_along_axis``: an ``(n, F)`` zero array, then a serial scatter of ``m * F``
-values). That pass is the static param ``put``, the search's backend's
-:attr:`ArgSearch.put_attaining <jaxcsr.kernels.ArgSearch>` (native on CPU)."""
-
-
-def take_attaining(x: jax.Array, columns: jax.Array, rows: jax.Array, *, put) -> jax.Array:
-    """:data:`take_attaining_p`: ``x (n, F)`` at ``columns (m, F)`` (``n``: none), for a
-    view whose column ``k`` lies in row ``rows[k]`` alone (``m``: in none). ``put`` is
-    its transpose (:attr:`ArgSearch.put_attaining <jaxcsr.kernels.ArgSearch>`)."""
-    return take_attaining_p.bind(x, columns, rows, put=put)
-
-
-def _take_attaining(x, columns, rows, *, put):
-    del rows, put
-    n = x.shape[0]
-    taken = jnp.take_along_axis(x, jnp.minimum(columns, n - 1), axis=0)
-    return jnp.where(columns < n, taken, jnp.zeros((), x.dtype))
-
-
-@take_attaining_p.def_abstract_eval
-def _take_attaining_abstract_eval(x, columns, rows, *, put):
-    del rows, put
-    return ShapedArray((columns.shape[0], x.shape[1]), x.dtype)
-
-
-def _take_attaining_jvp(primals, tangents, *, put):
-    x, columns, rows = primals
-    out = take_attaining_p.bind(x, columns, rows, put=put)
-    if type(tangents[0]) is ad.Zero:
-        return out, ad.Zero.from_primal_value(out)
-    return out, take_attaining_p.bind(tangents[0], columns, rows, put=put)
-
-
-def _take_attaining_transpose(ct, x, columns, rows, *, put):
-    if ad.is_undefined_primal(columns) or ad.is_undefined_primal(rows):
-        raise ValueError("take_attaining is linear in x only")
-    if type(ct) is ad.Zero:
-        return [ad.Zero(x.aval), None, None]
-    return [put(ct, columns, rows).astype(x.aval.dtype), None, None]
-
-
-def _take_attaining_batch(args, dims, *, put):
-    """The batch joins the features: ``x (n, B, F) -> (n, B * F)``, the columns alike;
-    rows that differ per element run one element at a time."""
-    x, columns, rows = args
-    x_bd, columns_bd, rows_bd = dims
-    if rows_bd is not None:
-        return map_over_batch(functools.partial(take_attaining, put=put), args, dims), 0
-    size = x.shape[x_bd] if x_bd is not None else columns.shape[columns_bd]
-
-    def fold(v, bd):  # (k, F) batched at bd -> (k, size * F)
-        v = jnp.broadcast_to(v[:, None], (v.shape[0], size, v.shape[1])) if bd is None else (
-            jnp.moveaxis(v, bd, 1))  # fmt: skip
-        return v.reshape(v.shape[0], -1)
-
-    out = take_attaining(fold(x, x_bd), fold(columns, columns_bd), rows, put=put)
-    return out.reshape(out.shape[0], size, -1), 1
-
-
-def_jitted_impl(take_attaining_p)
-mlir.register_lowering(take_attaining_p, mlir.lower_fun(_take_attaining, multiple_results=False))
-ad.primitive_jvps[take_attaining_p] = _take_attaining_jvp
-ad.primitive_transposes[take_attaining_p] = _take_attaining_transpose
-batching.primitive_batchers[take_attaining_p] = _take_attaining_batch
 
 
 ad.primitive_jvps[csr_matmul_p] = _jvp

@@ -59,14 +59,8 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxcsr.dtypes import accumulation_dtype
 from jaxcsr.matrix import CSRMatrix, matmul
-from jaxcsr.ops import (
-    PLATFORMS,
-    Index,
-    ShapedArray,
-    backend_for,
-    def_jitted_impl,
-    map_over_batch,
-)
+from jaxcsr.ops import PLATFORMS, Index, backend_for
+from jaxcsr.primitive import ShapedArray, def_jitted_impl, map_over_batch
 from jaxcsr.validation import as_numeric
 
 __all__ = [

@@ -28,7 +28,7 @@ thread count: results are bit-identical for any number of threads.
     combined by their minimum (or one piece with its features split over threads).
 ``put_attaining``
     The max/min gradient of ``from_indices`` views (the transpose of
-    :func:`jaxcsr.ops.take_attaining`): ``ct[ids[k]]`` where column ``k`` attains its
+    :func:`jaxcsr.take_attaining.take_attaining`): ``ct[ids[k]]`` where column ``k`` attains its
     row's output, else 0, in one pass.
 ``gather``
     One entry per row (the backward of a segment sum, ``y[i] = data_i * x[ids[i]]``):

@@ -1819,7 +1819,7 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::Any
 
 // ------------------------------------------------------------------ put at the attaining
 // The transpose of taking x (n, f) at the (m, f) columns attaining a max/min of a
-// one-per-column view (jaxcsr.ops.take_attaining): y[k, i] = ct[rows[k], i] where
+// one-per-column view (jaxcsr.take_attaining.take_attaining): y[k, i] = ct[rows[k], i] where
 // columns[rows[k], i] == k, else 0 (rows[k] outside [0, m): a column in no row, 0).
 // One pass writing y, rows of entries split over the threads; copies of the values'
 // bits, so any dtype of their size.
