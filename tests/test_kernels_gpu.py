@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from pathlib import Path
 
@@ -329,3 +330,15 @@ def test_without_pallas_triton_cuda_falls_back_to_xla_with_one_warning():
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.strip() == "ok"
+
+
+def test_tile_configs_are_validated():
+    """Every table entry is a valid configuration; bad ones are refused by name."""
+    for config in gpu.TILE_TABLE.values():
+        assert gpu.TileConfig(*dataclasses.astuple(config)) == config
+    with pytest.raises(ValueError, match="block_k must be a power of two"):
+        gpu.TileConfig(16, 12, 64, 4)
+    with pytest.raises(ValueError, match="block_n must be at least 16"):
+        gpu.TileConfig(16, 8, 8, 4)
+    with pytest.raises(ValueError, match="128 gathered elements per thread"):
+        gpu.TileConfig(64, 16, 16, 4)

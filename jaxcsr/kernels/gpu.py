@@ -56,6 +56,7 @@ __all__ = [
     "GROUP",
     "TILE_TABLE",
     "GpuPlan",
+    "MAX_GATHERED",
     "LaneStats",
     "Lanes",
     "TileConfig",
@@ -91,12 +92,37 @@ def available() -> bool:
 # ----------------------------------------------------------------- tile table
 @dataclasses.dataclass(frozen=True)
 class TileConfig:
-    """One kernel configuration: lanes, nonzeros per step, feature columns, warps."""
+    """One kernel configuration: lanes, nonzeros per step, feature columns, warps.
+
+    Each is a power of two; ``block_n`` at least 16 (rows of whole 16-byte vectors) and
+    the gathered elements per thread,
+    ``block_m * block_k * block_n / (32 * num_warps)``, at most :data:`MAX_GATHERED`.
+    :func:`tile_config` gives the tuned one for a width and dtype.
+    """
 
     block_m: int
     block_k: int
     block_n: int
     num_warps: int
+
+    def __post_init__(self):
+        for name in ("block_m", "block_k", "block_n", "num_warps"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1 or value & (value - 1):
+                raise ValueError(f"TileConfig: {name} must be a power of two, got {value!r}")
+        if self.block_n < 16:
+            raise ValueError(f"TileConfig: block_n must be at least 16, got {self.block_n}")
+        gathered = self.block_m * self.block_k * self.block_n // (32 * self.num_warps)
+        if gathered > MAX_GATHERED:
+            raise ValueError(
+                f"TileConfig: {gathered} gathered elements per thread, more than "
+                f"{MAX_GATHERED}: {self}"
+            )
+
+
+MAX_GATHERED = 64
+"""Gathered elements per thread a :class:`TileConfig` may ask for: the bound every entry
+of :data:`TILE_TABLE` keeps, whose Hopper machine code the tests check for spills."""
 
 
 # (feature width rounded up to a power of two, bytes per operand element) -> config.
