@@ -6,7 +6,7 @@ Each block is an ordinary matrix of the same static layout -- padded to equal ro
 (plus one trash row that absorbs padding entries) and equal nonzeros -- so every
 device runs the backend's normal kernel on its block inside one ``shard_map``.
 
-Two forms:
+The blocks are planned on the host by :mod:`jaxcsr.row_blocks`. Two forms:
 
 * **SpMM** (any matrix but ``from_indices``): ``x`` holds one row per column of ``A``
   (node features). It is gathered to every device (all-gather; its transpose, a
@@ -42,6 +42,13 @@ from jax.sharding import PartitionSpec as P
 from jaxcsr import plan
 from jaxcsr.matrix import CSRMatrix, SparseOperand, matmul
 from jaxcsr.ops import Index
+from jaxcsr.row_blocks import (
+    block_positions,
+    block_sizes,
+    relayout_plan,
+    relayout_rows,
+    rows_per_part,
+)
 from jaxcsr.structure import Structure
 from jaxcsr.validation import (
     as_host_int_array,
@@ -52,104 +59,7 @@ from jaxcsr.validation import (
     is_traced,
 )
 
-__all__ = [
-    "BlockPlan",
-    "ShardedCSR",
-    "balanced_row_blocks",
-    "block_capacity",
-    "block_sizes",
-    "plan_blocks",
-    "relayout_rows",
-    "rows_per_part",
-    "shard",
-    "shard_rows",
-]
-
-BALANCES = ("nnz", "rows")
-
-
-SLACK = 1.02
-"""Largest block allowed, as a multiple of the mean nonzeros per shard (or the
-optimum, if larger): the room used to keep block boundaries near the even row split."""
-
-
-def balanced_row_blocks(lengths: np.ndarray, parts: int, slack: float = SLACK) -> np.ndarray:
-    """Row starts ``(parts + 1,)`` of contiguous blocks balanced by nonzeros.
-
-    The capacity is the optimal largest block (binary search, greedy fill; rows stay
-    whole) or ``slack`` times the mean, whichever is larger. Within it each boundary
-    goes as near the even row split as it can (less of the output to move), keeping
-    the rest of the rows placeable in the remaining blocks.
-    """
-    lengths = np.asarray(lengths, np.int64)
-    m = lengths.size
-    cum = np.concatenate([[0], np.cumsum(lengths)])
-
-    def fill(capacity):
-        starts = [0]
-        for _ in range(parts):
-            lo = starts[-1]
-            starts.append(int(np.searchsorted(cum, cum[lo] + capacity, side="right")) - 1)
-            if starts[-1] == lo and lo < m:  # a row longer than the capacity
-                return None
-        return np.array(starts) if starts[-1] >= m else None
-
-    lo, hi = int(lengths.max(initial=0)), int(cum[-1])
-    while lo < hi:
-        mid = (lo + hi) // 2
-        if fill(mid) is None:
-            lo = mid + 1
-        else:
-            hi = mid
-    capacity = max(lo, int(slack * cum[-1] / parts))
-    even = _even_row_blocks(m, parts)
-    chosen = [0]
-    for p in range(1, parts):
-        upper = int(np.searchsorted(cum, cum[chosen[-1]] + capacity, side="right")) - 1
-        lower = int(np.searchsorted(cum, cum[-1] - (parts - p) * capacity, side="left"))
-        chosen.append(min(max(int(even[p]), lower, chosen[-1]), max(upper, chosen[-1])))
-    chosen.append(m)
-    starts = np.array(chosen)
-    if np.diff(cum[starts]).max(initial=0) > capacity:  # cannot happen; stay safe
-        starts = np.minimum(fill(lo), m)
-    return starts
-
-
-def _even_row_blocks(m: int, parts: int) -> np.ndarray:
-    rows = rows_per_part(m, parts)
-    return np.minimum(np.arange(parts + 1) * rows, m)
-
-
-def rows_per_part(m: int, parts: int) -> int:
-    """Rows per device of the output's even split (JAX's layout of ``(m, ...)``)."""
-    return max(1, -(-m // parts))
-
-
-def block_capacity(size: int, base: float, steps_per_octave: int) -> int:
-    """The smallest ``ceil(base * 2 ** (j / steps_per_octave))``, ``j >= 0``, that holds
-    ``size``.
-
-    ``base`` follows from the shape, nnz and shard count alone (the balanced block), so
-    matrices of equal shape, nnz and shard count whose blocks fit the balanced size
-    get equal capacities -- one compilation -- and others take one of a few steps
-    (``steps_per_octave`` per doubling of the largest block)."""
-    base = max(float(base), 1.0)
-    size, capacity, j = int(size), int(np.ceil(base)), 0
-    while capacity < size:
-        j += 1
-        capacity = int(np.ceil(base * 2 ** (j / steps_per_octave)))
-    return capacity
-
-
-NNZ_STEPS = 4
-"""Capacity steps per doubling of the largest block's nonzeros (at most 19 % padding
-past the balanced size ``SLACK * nnz / shards``)."""
-ROW_STEPS = 2
-"""Capacity steps per doubling of the largest block's rows (empty padding rows only
-cost zeros in the block's output)."""
-ROW_BASE = 1.25
-"""The first row capacity, a multiple of the even split's ``ceil(m / shards)``: block
-boundaries balanced by nonzeros stay near the even split when they can."""
+__all__ = ["ShardedCSR", "shard", "shard_rows"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -483,97 +393,6 @@ class _LaidOut(SparseOperand):
         return f" (values laid out); per-edge values in input order ({n} rows) go to S @ v"
 
 
-def _overlaps(row_starts, m) -> dict[tuple[int, int], tuple[int, int]]:
-    """``(p, q) -> (lo, hi)``: rows of device ``p``'s block in device ``q``'s part of
-    the output's even row split (non-empty overlaps only)."""
-    shards = len(row_starts) - 1
-    rows = rows_per_part(m, shards)
-    pairs = {}
-    for p in range(shards):
-        for q in range(shards):
-            lo = max(row_starts[p], q * rows)
-            hi = min(row_starts[p + 1], (q + 1) * rows, m)
-            if hi > lo:
-                pairs[(p, q)] = (lo, hi)
-    return pairs
-
-
-def relayout_rows(row_starts, m) -> np.ndarray:
-    """Rows each device computes for another device's part of the output."""
-    moved = np.zeros(len(row_starts) - 1, np.int64)
-    for (p, q), (lo, hi) in _overlaps(row_starts, m).items():
-        if p != q:
-            moved[p] += hi - lo
-    return moved
-
-
-# --------------------------------------------------------------------- planning
-@dataclasses.dataclass(frozen=True)
-class BlockPlan:
-    """Where a matrix's rows and entries go, one contiguous row block per shard (host).
-
-    Attributes:
-      row_starts: ``(shards + 1,)`` first row of each block, then ``m``.
-      block_nnz: ``(shards,)`` stored entries of each block.
-      block_rows: row capacity of every block (without the trash row).
-      block_cols: entry capacity of every block, ``K_b``.
-      data_order: ``(shards, K_b)`` position in the matrix's CSR order of each block
-        slot (``-1``: padding).
-    """
-
-    row_starts: np.ndarray
-    block_nnz: np.ndarray
-    block_rows: int
-    block_cols: int
-    data_order: np.ndarray
-
-
-def plan_blocks(indptr: np.ndarray, shards: int, balance: str = "nnz") -> BlockPlan:
-    """Splits the rows of a CSR row pointer into ``shards`` padded blocks (pure numpy).
-
-    ``balance="nnz"``: :func:`balanced_row_blocks`; ``"rows"``: the output's even row
-    split. Capacities follow :func:`block_capacity` (steps from the balanced sizes), so
-    structures of equal shape and nnz whose blocks fit the same steps share one
-    compilation.
-    """
-    indptr = np.asarray(indptr).astype(np.int64)
-    starts, block_nnz, block_rows, k_b = block_sizes(indptr, shards, balance)
-    data_order = np.stack([_block_positions(indptr, starts, p, k_b) for p in range(shards)])
-    return BlockPlan(starts, block_nnz, int(block_rows), int(k_b), data_order)
-
-
-def _block_positions(indptr: np.ndarray, starts: np.ndarray, p: int, k_b: int) -> np.ndarray:
-    """``(K_b,)`` int64: the CSR position of each of block ``p``'s slots, -1: padding."""
-    lo, hi = int(indptr[starts[p]]), int(indptr[starts[p + 1]])
-    out = np.full(k_b, -1, np.int64)
-    out[: hi - lo] = np.arange(lo, hi)
-    return out
-
-
-def block_sizes(
-    indptr: np.ndarray, shards: int, balance: str = "nnz"
-) -> tuple[np.ndarray, np.ndarray, int, int]:
-    """:func:`plan_blocks` without the per-slot map: ``(row_starts, block_nnz,
-    block_rows, block_cols)``, ``O(m)`` memory (what a scale study needs)."""
-    if balance not in BALANCES:
-        raise ValueError(f"balance must be one of {BALANCES}, got {balance!r}")
-    indptr = np.asarray(indptr).astype(np.int64)
-    m, nnz = indptr.size - 1, int(indptr[-1])
-    rows = rows_per_part(m, shards)
-    if balance == "nnz":
-        starts = balanced_row_blocks(np.diff(indptr), shards)
-        most = np.diff(starts).max(initial=0)
-        block_rows = min(block_capacity(most, ROW_BASE * rows, ROW_STEPS), max(m, most))
-    else:  # the even split: its row count follows the shape alone
-        starts = _even_row_blocks(m, shards)
-        block_rows = rows
-    block_nnz = indptr[starts[1:]] - indptr[starts[:-1]]
-    largest = int(block_nnz.max(initial=0))
-    balanced_nnz = int(np.ceil(SLACK * nnz / shards))
-    k_b = min(block_capacity(largest, balanced_nnz, NNZ_STEPS), max(nnz, largest))
-    return starts, block_nnz, int(block_rows), int(k_b)
-
-
 class _RowBlocks:
     """The padded row blocks of one matrix, each built when first asked for.
 
@@ -603,7 +422,7 @@ class _RowBlocks:
 
     def data_order(self, p: int) -> np.ndarray:
         """``(K_b,)`` position in the whole matrix's CSR order per slot, -1: padding."""
-        return _block_positions(self.indptr, self.row_starts, p, self.block_cols).astype(np.int32)
+        return block_positions(self.indptr, self.row_starts, p, self.block_cols).astype(np.int32)
 
     def input_order(self, p: int) -> np.ndarray:
         """``(K_b,)`` segment form: the input position (column) per slot, -1: padding."""
@@ -910,7 +729,7 @@ def _sharded(blocks: _RowBlocks, mesh, axis, balance, backends, orders) -> Shard
         input_order=_from_blocks(lambda p: orders[p][0], shards, sharding),
         data_order=_from_blocks(lambda p: orders[p][1], shards, sharding),
     )
-    send, recv, shifts, aligned = _relayout_plan(
+    send, recv, shifts, aligned = relayout_plan(
         blocks.row_starts, m, blocks.block_rows, shards, balance
     )
     plan_ = _Plan(
@@ -932,34 +751,6 @@ def _sharded(blocks: _RowBlocks, mesh, axis, balance, backends, orders) -> Shard
     else:
         send = recv = None
     return ShardedCSR(leaves, None, send, recv, layout, plan_, host_layout)
-
-
-def _relayout_plan(starts, m, block_rows, shards, balance):
-    """Which block rows go to which device's part of the even split, per shift.
-
-    Returns ``(send (P, D, W), recv (P, D, W), shifts, aligned)``: for shift ``d``,
-    device ``p`` sends block rows ``send[p, i]`` (``block_rows``: the trash row, for
-    padding) to device ``p + d``, which writes them at ``recv[p + d, i]`` (``rows``:
-    dropped).
-    """
-    rows = rows_per_part(m, shards)
-    pairs = _overlaps(starts, m)
-    # Static choices that follow the structure take few values: the even split is
-    # aligned (no relayout); otherwise the reach rounds up to a power of two and the
-    # message width to a capacity step.
-    aligned = balance == "rows"  # shard() gives the even split its exact row count
-    reach = max((abs(q - p) for p, q in pairs), default=0)
-    reach = 0 if aligned else 1 << max(reach - 1, 0).bit_length()
-    shifts = tuple(range(-min(reach, shards - 1), min(reach, shards - 1) + 1))
-    widest = max([hi - lo for lo, hi in pairs.values()], default=1)
-    width = block_capacity(widest, ROW_BASE * rows, ROW_STEPS)
-    send = np.full((shards, len(shifts), width), block_rows, np.int32)
-    recv = np.full((shards, len(shifts), width), rows, np.int32)
-    for (p, q), (lo, hi) in pairs.items():
-        i = shifts.index(q - p)
-        send[p, i, : hi - lo] = np.arange(lo, hi) - starts[p]
-        recv[q, i, : hi - lo] = np.arange(lo, hi) - q * rows
-    return send, recv, shifts, aligned
 
 
 # ---------------------------------------------------------------------- product

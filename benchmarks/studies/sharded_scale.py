@@ -3,7 +3,7 @@
 
 A synthetic power-law graph (default: 1e9 edges into 5e7 nodes, Pareto in-degrees with
 one hub) is never allocated: only its row pointer is, and
-:func:`jaxcsr.sharding.block_sizes` (the sizes of :func:`jaxcsr.plan_blocks`) cuts it
+:func:`jaxcsr.row_blocks.block_sizes` (the sizes of :func:`jaxcsr.plan_blocks`) cuts it
 for P devices. Per device, for one product with F float32 features:
 
 * structure: the block's XLA-path arrays (``from_indices`` form: ``indices`` and
@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import report
-from jaxcsr.sharding import block_sizes, relayout_rows, rows_per_part
+from jaxcsr.row_blocks import block_sizes, relayout_rows, rows_per_part
 
 
 def power_law_indptr(edges: int, nodes: int, seed: int) -> np.ndarray:
