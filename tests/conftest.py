@@ -1,4 +1,4 @@
-"""Shared fixture: a seeded, fresh random generator per test."""
+"""Shared fixtures: a seeded, fresh random generator per test; the Cora dataset."""
 
 from __future__ import annotations
 
@@ -9,6 +9,14 @@ import pytest
 
 # run as scripts in their own processes (they force CPU devices before importing jax)
 collect_ignore = ["sharding_checks.py", "multiprocess_checks.py"]
+
+
+@pytest.fixture(scope="session")
+def cora():
+    """Cora as the example clients load it (features, normalized adjacency, splits)."""
+    from examples.gcn import load_cora
+
+    return load_cora()
 
 
 @pytest.fixture

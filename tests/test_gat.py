@@ -10,11 +10,6 @@ import pytest
 from examples import gat
 
 
-@pytest.fixture(scope="module")
-def cora():
-    return gat.load_cora()
-
-
 def test_jaxcsr_and_jax_ops_models_agree(cora):
     """Same parameters and random stream: equal logits, loss and gradients."""
     params = gat.init_params(jax.random.PRNGKey(7), cora.features.shape[1], cora.num_classes)

@@ -8,11 +8,6 @@ import pytest
 from examples import gcn
 
 
-@pytest.fixture(scope="module")
-def cora():
-    return gcn.load_cora()
-
-
 def test_cora_split_and_adjacency(cora):
     assert cora.features.shape == (2708, 1433) and cora.num_classes == 7
     assert (len(cora.train), len(cora.val), len(cora.test)) == (140, 500, 1000)
