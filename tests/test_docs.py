@@ -77,3 +77,13 @@ def test_every_results_folder_is_linked():
 def test_the_results_checks_catch_what_they_look_for():
     assert _named_results("see `benchmarks/results/cpu-epyc/main_job/`.") == {"cpu-epyc/main_job/"}
     assert not (RESULTS / "cpu" / "main_job_xeon_final").exists()
+
+
+def test_code_fences_pair_up():
+    """Every code block opens with a language and closes: an opening fence lost in an
+    edit would leave a Python example unrun and the page misrendered."""
+    for page in [*PAGES, ROOT / "DEVELOPMENT.md"]:
+        fences = [line for line in page.read_text().splitlines() if line.startswith("```")]
+        assert len(fences) % 2 == 0, page.name
+        assert all(f != "```" for f in fences[0::2]), page.name  # openers name a language
+        assert all(f == "```" for f in fences[1::2]), page.name
