@@ -9,6 +9,7 @@ path by dtype and reduction, as the H200 table measured.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -63,6 +64,28 @@ def test_first_use_calibrates_once_under_two_seconds(fresh, monkeypatch):
     again = machine.profile()
     assert again.source == "file"
     assert again == machine.dataclasses.replace(found, source="file")
+
+
+def test_first_use_inside_a_jitted_product_calibrates(tmp_path):
+    """A fresh process whose first use of the profile is a product being lowered (as
+    on a new machine): the measurement runs eagerly beside the trace and is stored."""
+    program = (
+        "import numpy as np, jax, jax.numpy as jnp, jaxcsr\n"
+        "A = jaxcsr.CSRMatrix.from_indices(np.array([0, 2, 2, 1]), 3)\n"
+        "y = jax.jit(lambda A, x: A.T @ x)(A, jnp.ones((3, 4)))\n"
+        "assert np.asarray(y).tolist() == [[1.0] * 4] * 4\n"
+        "from jaxcsr import machine\n"
+        "print(machine.profile().source, machine.profile().call_floor_us)\n"
+    )
+    env = {**os.environ, "JAXCSR_CACHE_DIR": str(tmp_path)}
+    env.pop("JAXCSR_CALIBRATE", None)
+    run = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, env=env, timeout=300
+    )
+    assert run.returncode == 0, run.stderr[-3000:]
+    source, floor = run.stdout.split()
+    assert source == "measured" and 0 < float(floor) < 1e4
+    assert len(list(tmp_path.glob("machine-*.json"))) == 1
 
 
 def test_calibration_off_gives_the_defaults_and_stores_nothing(fresh, monkeypatch):
