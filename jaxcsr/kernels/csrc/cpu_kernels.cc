@@ -219,8 +219,8 @@ int64_t thread_count(ffi::ThreadPool& pool, int64_t max_threads) {
 
 // Chunks for ``work`` elements: one per ``grain``, at most ``per_thread`` per thread;
 // below kSerialWork, one (the calling thread alone): waking a pool thread costs tens
-// of microseconds on the machines measured, about what 2^17 elements take (PubMed
-// segment sums, F = 1: 2 threads 0.10 ms, 1 thread 0.075 ms).
+// of microseconds on the machines measured, about what 2^17 elements take (the
+// timings: benchmarks/results/cpu-xeon-avx512/README.md).
 constexpr int64_t kSerialWork = int64_t{1} << 17;
 
 int64_t chunk_count(int64_t work, int64_t threads, int64_t per_thread, int64_t grain = 16384) {
@@ -247,9 +247,8 @@ std::vector<int64_t> row_chunks(const int32_t* indptr, int64_t rows, int64_t chu
 
 // Rows split into chunks of about equal work over the threads, ``body(lo, hi, bad)``
 // for each: the pull loops' split (a gathered value, read at a column at random,
-// counts as two streamed ones: PubMed SpMM, F = 1, 128k entries and rows, 0.17 ms on
-// one thread, 0.12 ms on two). Returns false if some chunk set ``bad`` (a column
-// outside x).
+// counts as two streamed ones, which put PubMed's one-feature SpMM on two threads).
+// Returns false if some chunk set ``bad`` (a column outside x).
 template <typename Body>
 bool over_row_chunks(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                      int64_t rows, int64_t f, bool gathered, Body body) {
@@ -428,7 +427,8 @@ JAXCSR_INLINE int64_t checked_column(const int32_t* cols, int64_t j, int64_t j1,
 // it) once the low half is masked off. Accumulators 2u and 2u + 1 hold the even and
 // odd features of block u, interleaved once per row at the store. The widening
 // conversion it replaces compiles (gcc, AVX2) to four shuffles per eight values, all
-// on one port: tolokers SpMM, 64 features, one thread, 7.6 -> 4.5 ms.
+// on one port, which bound bfloat16 SpMM (the timings:
+// benchmarks/results/cpu-xeon-avx512/README.md).
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "bfloat16 halves of a word");
 
 template <typename In, typename Out, typename Op, int V>
@@ -584,7 +584,7 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
       default: break;
     }
     // gathered rows only: with x streamed (sorted segment ids) the blocks measured no
-    // faster for sums and 1.7x slower for max (tolokers, F = 256), so those keep the loop
+    // faster for sums and slower for max, so those keep the loop
     if (cols && f > 64 && f % 8 == 0)
       return pull_rows_blocks<In, Out, Op>(indptr, cols, data, x, y, f, lo, hi, n, bad);
   }
@@ -619,8 +619,7 @@ JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage
                                   int64_t stride, int64_t width, int64_t k0, int64_t k1) {
   constexpr int64_t kAhead = 16;
   // One feature (every caller then has stride 1): the bare loop, no feature loop, no
-  // stride, no weight of 1.0 per entry (musae-github shuffled, one thread: 0.74 ->
-  // 0.56 ms). Any other width runs the loop below.
+  // stride, no weight of 1.0 per entry. Any other width runs the loop below.
   if (width == 1 && stride == 1) {
     for (int64_t k = k0; k < k1; ++k) {
       const int64_t r = ids[k];
@@ -634,9 +633,8 @@ JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage
       const uint64_t ahead = static_cast<uint32_t>(ids[k + kAhead]);
       const float* row = acc + (ahead < static_cast<uint64_t>(m) ? ahead : 0) * stride;
       for (int64_t i = 0; i < width; i += 16) __builtin_prefetch(row + i, 1);  // its lines
-      // x's lines too, for rows of two lines or more (tolokers shuffled, all threads:
-      // bfloat16 F = 64 sum 11.5 -> 7.5 ms, max 14.0 -> 8.2; float32 F = 64 max 16.0 ->
-      // 13.1, F = 32 7.5 -> 5.3; rows of one line measured no better)
+      // x's lines too, for rows of two lines or more (rows of one line measured no
+      // better)
       if (width * int64_t{sizeof(*x)} >= 128)
         for (int64_t i = 0; i < width; i += 64 / sizeof(*x))
           __builtin_prefetch(x + (k + kAhead) * stride + i);
@@ -714,20 +712,15 @@ __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) void run_avx512(Ar
 
 // A body compiled a third time, for AVX-512, and run that way where the CPU has it:
 // for the loops the compiler vectorises itself (sixteen lanes there, the same operations
-// per value: the same bits), where it measured faster. Tolokers, 2 threads, one process,
-// the two builds in turns (same bits asserted), AVX2 -> AVX-512:
-// - PullRows, the loop of rows past 64 features (sorted ids, F = 256): max 50.8 -> 23.3
-//   ms bfloat16, 43.6 -> 35.0 float32; sum bfloat16 26.6 -> 21.4 (float32 the same);
-//   rows with their own eight-lane code the same or slower (one feature, musae-github
-//   bfloat16: 0.289 -> 0.336 ms), so they stay AVX2 (pull_rows);
-// - PutAttainingRows (the max gradient's put): its max gradient, bfloat16 F = 64, 53.2
-//   -> 37.4 ms (float32 1.03x);
-// - GatherRows (the row gather through the caches): 7.19 -> 6.64 ms float32 F = 16,
-//   26.6 -> 24.1 F = 64, bfloat16 F = 64 14.0 -> 13.0;
-// - PushRows past 64 features (push_rows): max F = 256 51.0 -> 43.7 ms bfloat16, 74.1 ->
-//   69.2 float32 (sum the same; rows of 8-64 features 0.97-0.99x, so they stay AVX2).
-// The SDDMM measured slower (float32 F = 16 1.99 -> 2.41 ms), the softmax and the arg
-// searches the same: they stay run_best.
+// per value: the same bits), where it measured faster than AVX2 (the two builds in
+// turns, same bits asserted; the timings: benchmarks/results/cpu-xeon-avx512/README.md):
+// - PullRows, the loop of rows past 64 features (rows with their own eight-lane code
+//   measured the same or slower, so they stay AVX2: pull_rows);
+// - PutAttainingRows (the max gradient's put);
+// - GatherRows (the row gather through the caches);
+// - PushRows past 64 features (rows of 8-64 features stay AVX2).
+// The SDDMM measured slower, the softmax and the arg searches the same: they stay
+// run_best.
 template <typename Body, typename... Args>
 void run_wide(Args&&... args) {
   if (has_avx512()) {
@@ -860,21 +853,18 @@ int64_t push_pieces(int64_t rows, int64_t entries, int64_t f, int64_t budget) {
 // push_pieces within 8 MiB; where that leaves one piece, two if their partials fit in
 // 32 MiB, or in 128 MiB for rows of x under 512 bytes. The alternative, one piece with
 // its features split over the threads in blocks of 64-byte lines, measured slower in
-// both cases (2 cores, shuffled ids, all threads, before -> after: musae-github F = 64
-// bfloat16 27.6 -> 9.4 ms, float32 13.3 -> 10.0; tolokers F = 256 bfloat16 91.7 ->
-// 47.2, float32 103 -> 79; twitter-ego F = 64, 42 MB of partials, bfloat16 131 -> 49,
-// float32 63 -> 49, where one thread had taken 79 ms; the softmax over twitter-ego,
-// float32, 32 heads 131-146 -> 96-104 ms, 64 heads 277 -> 198), and faster only past
-// 32 MiB with rows of 512 bytes (musae-github F = 128 float32: 24-27 against 31 ms);
-// under one line of x it runs on one thread. With 4 entries per row and piece the
-// partials stay within a quarter of x's float32 bytes.
+// both cases and faster only past 32 MiB with rows of 512 bytes; under one line of x
+// it runs on one thread (the timings: benchmarks/results/cpu-xeon-avx512/README.md).
+// With 4 entries per row and piece the partials stay within a quarter of x's float32
+// bytes. The count fixes
+// the order each row is reduced in, so it depends on the sizes only: the same bits on
+// every machine (jaxcsr.kernels.cpu.push_pieces reads it through JaxcsrPushPieces).
 //
 // A product push of 16-bit x (``narrow``) with fewer entries per row takes two pieces
 // from 2 entries per row on (past kSerialWork, partials within 32 MiB): converting its
 // values to float32 makes it compute-bound where x stays in cache, and a feature split
-// then runs on one thread for rows of one line or at its speed (PubMed shuffled, 4.5
-// ids a row, bfloat16, all threads: F = 16 0.645 -> 0.45 ms, F = 64 2.55 -> 1.52 ms, one
-// thread 0.67 and 2.58; float32 gained nothing from pieces: 0.37 -> 0.45 ms at F = 16).
+// then runs on one thread for rows of one line or at its speed (float32 gained nothing
+// from pieces there).
 int64_t push_piece_count(int64_t rows, int64_t entries, int64_t f, int64_t row_bytes,
                          bool narrow = false) {
   const int64_t pieces = push_pieces(rows, entries, f, int64_t{8} << 20);
@@ -1091,9 +1081,7 @@ struct ArgPullRows {
 // float32 and bfloat16 take eight features at a time (the same hits: a weighted value
 // is rounded to bfloat16 as In::store does). The lines of x, out and first ``kAhead``
 // entries on are prefetched: a row of x is not read far enough ahead otherwise, with a
-// store per eight features in the loop (tolokers in edge order, float32, the search
-// alone, all threads: F = 64 22.1 -> 12.4 ms, one thread 41.1 -> 22.9; F = 32 9.8 ->
-// 5.8; F = 16 3.4 -> 3.1; the eight lanes alone gained little).
+// store per eight features in the loop (the eight lanes alone gained little).
 template <typename In>
 struct ArgPushEntries {
   using S = typename In::Storage;
@@ -1644,8 +1632,8 @@ struct GatherFeatureMajorStreamed {
 // 16 pages (Linux; elsewhere false). A fresh output (glibc serves blocks past its mmap
 // threshold, at most 32 MiB by default, with new pages) is zeroed by the kernel at
 // first touch, through the caches; stores past the caches into such pages measured
-// 1.6-1.8x slower than plain ones (tolokers row gathers, 66-266 MB, 2 cores), and
-// 2.2-2.6x faster into pages already mapped (a reused heap block).
+// slower than plain ones, and faster into pages already mapped (a reused heap block;
+// the timings: benchmarks/results/cpu-xeon-avx512/README.md).
 bool pages_resident(const void* p, int64_t bytes) {
 #if defined(__linux__)
   const int64_t page = sysconf(_SC_PAGESIZE);
@@ -2168,7 +2156,7 @@ enum class Pushed { kPeak, kExp, kProduct };
 
 // A softmax push prefetches kPushAhead entries ahead: for entry k, heads [c0, c1), the
 // lines of its scores and of its row's partial (and peak, where there is one). The
-// scores' prefetch matters most (tolokers shuffled, 16 heads: forward 30 -> 22 ms).
+// scores' prefetch matters most.
 constexpr int64_t kPushAhead = 16;
 
 template <typename S>
