@@ -303,6 +303,14 @@ class CSRMatrix(SparseOperand):
                 on_device=True,
             )
         idx, num_rows = check_segment_ids(idx, num_rows)
+        return cls._from_checked_ids(idx, num_rows, data, backends)
+
+    @classmethod
+    def _from_checked_ids(
+        cls, idx: np.ndarray, num_rows: int, data: Any, backends: Any
+    ) -> CSRMatrix:
+        """:meth:`from_indices` of host ids its caller has checked (``check_segment_ids``:
+        a 1-D int array inside ``[0, num_rows)``), without checking them again."""
         structure = plan.structure_from_segment_ids(idx, num_rows)
         order = None
         if data is not None and not structure.layout.sorted_ids:

@@ -195,7 +195,8 @@ def segment_matrix(
         matrix = CSRMatrix.from_coo(kept, np.flatnonzero(keep), shape=shape, backends=backends)
     else:
         ids, num_segments = check_segment_ids(ids, num_segments, names=names)
-        matrix = CSRMatrix.from_indices(ids, num_rows=num_segments, backends=backends)
+        # checked once, here: the matrix trusts them
+        matrix = CSRMatrix._from_checked_ids(ids, num_segments, None, backends)
     with _cache_lock:
         _cache[key] = matrix
         while len(_cache) > CACHE_SIZE:

@@ -248,3 +248,25 @@ def test_segment_prod_matches_float64_with_dropped_and_clipped_ids(rng):
         assert_close(traced, want, np.float32)
     moved = jaxcsr.segment_prod(v.T, ids, 5, axis=1)
     assert_close(moved, np.asarray(jaxcsr.segment_prod(v, ids, 5)).T, np.float32)
+
+
+def test_concrete_ids_are_checked_once_per_call(rng, monkeypatch):
+    """segment_* validate the ids at their door and hand them to the matrix checked:
+    one range check of fresh ids per call (the matrix does not check them again)."""
+    import jaxcsr.matrix
+    import jaxcsr.segment
+
+    calls = []
+    for module in (jaxcsr.segment, jaxcsr.matrix):
+        checked = module.check_segment_ids
+
+        def counted(*args, _checked=checked, **kwargs):
+            calls.append(1)
+            return _checked(*args, **kwargs)
+
+        monkeypatch.setattr(module, "check_segment_ids", counted)
+    ids = rng.integers(0, 37, 911)  # fresh ids: not in the matrix cache
+    x = random_values(rng, (911, 3)).astype(np.float32)
+    out = jaxcsr.segment_max(x, ids, 37)
+    assert len(calls) == 1
+    np.testing.assert_allclose(np.asarray(out), segment_reference(x, ids, 37, "max"), rtol=1e-6)
