@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
 from jax.test_util import check_grads
 
+import jaxcsr
 from jaxcsr import CSRMatrix
 
 ALL = ("xla", "pallas_gpu", "pallas_tpu")
@@ -69,6 +72,16 @@ def random_csr(rng: np.random.Generator, m: int, n: int, kind: str) -> sp.csr_ar
     mat = sp.coo_array((data, (rows, cols)), shape=(m, n)).tocsr()
     mat.sum_duplicates()
     return mat
+
+
+SEGMENT_FUNCTIONS = {
+    "sum": jaxcsr.segment_sum,
+    "mean": jaxcsr.segment_mean,
+    "max": functools.partial(jaxcsr.segment_max, empty=0),
+    "min": functools.partial(jaxcsr.segment_min, empty=0),
+}
+"""``jaxcsr.segment_<reduce>`` with empty max/min segments 0, as :func:`segment_reference`
+gives them."""
 
 
 def segment_reference(values, ids: np.ndarray, m: int, reduce: str = "sum") -> np.ndarray:

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from reference import (
+    SEGMENT_FUNCTIONS,
     assert_close,
     check_product_grads,
     power_law_ids,
@@ -19,12 +18,7 @@ from reference import (
 import jaxcsr
 from jaxcsr import segment
 
-FUNCTIONS = {
-    "sum": jaxcsr.segment_sum,
-    "mean": jaxcsr.segment_mean,
-    "max": functools.partial(jaxcsr.segment_max, empty=0),  # as segment_reference
-    "min": functools.partial(jaxcsr.segment_min, empty=0),
-}
+FUNCTIONS = SEGMENT_FUNCTIONS  # empty max/min segments 0, as segment_reference
 
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])

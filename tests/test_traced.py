@@ -17,6 +17,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import (
     ALL,
+    SEGMENT_FUNCTIONS,
     assert_close,
     check_product_grads,
     interpret_for,
@@ -128,19 +129,13 @@ def test_device_planners_run_under_jit(rng):
 REDUCES = ("sum", "mean", "max", "min")
 
 
-def segment_fn(reduce: str):
-    """``jaxcsr.segment_<reduce>``; max/min with empty segments 0, as segment_reference."""
-    fn = getattr(jaxcsr, f"segment_{reduce}")
-    return functools.partial(fn, empty=0) if reduce in ("max", "min") else fn
-
-
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_traced_ids_equal_static_ids_and_the_reference(rng, dtype):
     m, size = 37, 501  # not tile multiples; power-law rows with empty ones
     ids = power_law_ids(rng, size, m).astype(np.int32)
     x = jnp.asarray(random_values(rng, (size, 3)), dtype)
     for reduce in REDUCES:
-        fn = segment_fn(reduce)
+        fn = SEGMENT_FUNCTIONS[reduce]
         traced = jax.jit(lambda x, ids, fn=fn: fn(x, ids, m))(x, ids)
         static = fn(x, ids, m)
         assert_close(traced, segment_reference(np.asarray(x, np.float32), ids, m, reduce), dtype)
@@ -161,7 +156,7 @@ def test_out_of_range_ids_are_dropped_as_jax_ops_drops_them(rng):
     x = jnp.asarray(random_values(rng, (size, 4)), jnp.float32)
     x64 = np.asarray(x, np.float64)
     for reduce in REDUCES:
-        out = jax.jit(lambda x, i, r=reduce: segment_fn(r)(x, i, m))(x, ids)
+        out = jax.jit(lambda x, i, r=reduce: SEGMENT_FUNCTIONS[r](x, i, m))(x, ids)
         assert_close(out, segment_reference(x64[kept], ids[kept], m, reduce), np.float32)
     out = jax.jit(lambda x, i: jaxcsr.segment_sum(x, i, m))(x, ids)
     assert_close(out, jax.ops.segment_sum(x, ids, m), np.float32)
