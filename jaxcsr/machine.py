@@ -167,13 +167,14 @@ def _reported() -> MachineProfile:
     return MachineProfile(_cpu_name(), _cores(), l2 or DEFAULT.l2_bytes, l3, source="reported")
 
 
-def cache_file() -> Path:
-    """The file this machine's profile is stored in."""
+def cache_file(machine: MachineProfile | None = None) -> Path:
+    """The file the profile of ``machine`` (default: this one, as the OS reports it) is
+    stored in: named by its CPU model, cores and caches."""
     root = os.environ.get("JAXCSR_CACHE_DIR")
     if not root:
         xdg = os.environ.get("XDG_CACHE_HOME")
         root = str(Path(xdg) / "jaxcsr") if xdg else str(Path.home() / ".cache" / "jaxcsr")
-    r = _reported()
+    r = _reported() if machine is None else machine
     key = f"{r.cpu}|{r.cores}|{r.l2_bytes}|{r.l3_bytes}|{platform.machine()}"
     return Path(root) / f"machine-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
@@ -239,7 +240,7 @@ def calibrate(store: bool = True) -> MachineProfile:
     global _CURRENT
     measured = _measure(_reported())
     if store:
-        path = cache_file()
+        path = cache_file(measured)  # measured from what the OS reported: the same name
         fields = dataclasses.asdict(measured)
         fields.pop("source")
         record = {"profile": fields, "date": datetime.date.today().isoformat()}

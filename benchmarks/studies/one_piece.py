@@ -117,10 +117,11 @@ def main(argv=None) -> dict:
         )
     ratios = [r["ms"]["push"] / r["ms"]["pull"] for r in rows]
     if ratios:
+        summary = report.ratio_summary(ratios)
         lines += [
             "",
-            f"push / pull: geometric mean {float(np.exp(np.mean(np.log(ratios)))):.2f}x, "
-            f"range {min(ratios):.2f}-{max(ratios):.2f}x over {len(rows)} cells; "
+            f"push / pull: geometric mean {summary['geomean']:.2f}x, "
+            f"range {min(ratios):.2f}-{max(ratios):.2f}x over {summary['cells']} cells; "
             f"{sum(r['same_bits'] for r in rows)} of {len(rows)} with the same bits.",
         ]
     text = "\n".join(lines) + "\n"

@@ -129,17 +129,28 @@ def library_path() -> Path | None:
 
 
 @functools.cache
-def available() -> bool:
-    """Whether the library is built and its FFI targets are registered."""
+def _library() -> ctypes.CDLL | None:
+    """The built library, loaded once (``None``: not built or not loadable)."""
     path = library_path()
     if path is None:
+        return None
+    try:
+        return ctypes.cdll.LoadLibrary(str(path))
+    except OSError:
+        return None
+
+
+@functools.cache
+def available() -> bool:
+    """Whether the library is built and its FFI targets are registered."""
+    library = _library()
+    if library is None:
         return False
     try:
-        library = ctypes.cdll.LoadLibrary(str(path))
         for target, symbol in _TARGETS.items():
             capsule = jax.ffi.pycapsule(getattr(library, symbol))
             jax.ffi.register_ffi_target(target, capsule, platform="cpu")
-    except (OSError, AttributeError):
+    except AttributeError:
         return False
     return True
 
@@ -211,7 +222,9 @@ class Strategy:
 
 @functools.cache
 def _pieces_function():
-    function = ctypes.cdll.LoadLibrary(str(library_path())).JaxcsrPushPieces
+    library = _library()
+    assert library is not None, "push_pieces needs the built library"
+    function = library.JaxcsrPushPieces
     function.restype = ctypes.c_int64
     function.argtypes = [ctypes.c_int64] * 4
     return function
@@ -265,10 +278,9 @@ def choose(
 
 def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
     chosen = choose(view, n_features)
-    machine = profile()
     stores = ""
-    if chosen.kernel == "gather":
-        stores = f"; outputs from {machine.stream_bytes / 2**20:g} MiB stored past the caches"
+    if chosen.kernel == "gather":  # the only choice that reads the machine profile
+        stores = f"; outputs from {profile().stream_bytes / 2**20:g} MiB stored past the caches"
     return {"cpu": f"native {chosen.kernel} ({chosen.reason}{stores})"}
 
 
