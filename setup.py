@@ -6,7 +6,9 @@ succeeds, and products run on the XLA path (jaxcsr.kernels.cpu.available() is Fa
 ``JAXCSR_SANITIZE=1`` builds it with AddressSanitizer and UndefinedBehaviorSanitizer.
 """
 
+import glob
 import os
+from concurrent.futures import ThreadPoolExecutor
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -25,6 +27,14 @@ class OptionalBuild(build_ext):
             return
         for ext in self.extensions:
             ext.include_dirs.append(include)
+        compile_one = self.compiler.compile
+
+        def compile_all(sources, **kwargs):  # one compiler process per source file
+            with ThreadPoolExecutor(max(1, os.cpu_count() or 1)) as pool:
+                parts = list(pool.map(lambda source: compile_one([source], **kwargs), sources))
+            return [obj for objects in parts for obj in objects]
+
+        self.compiler.compile = compile_all
         try:
             super().build_extensions()
         except Exception as err:
@@ -48,8 +58,8 @@ setup(
     ext_modules=[
         Extension(
             "jaxcsr.kernels._cpu_kernels",
-            sources=["jaxcsr/kernels/csrc/cpu_kernels.cc"],
-            depends=["jaxcsr/kernels/csrc/vector_math.h"],
+            sources=sorted(glob.glob("jaxcsr/kernels/csrc/*.cc")),
+            depends=sorted(glob.glob("jaxcsr/kernels/csrc/*.h")),
             language="c++",
             extra_compile_args=flags,
             extra_link_args=link,

@@ -183,7 +183,7 @@ def test_traced_ids_drop_what_jax_ops_drops(rng, sorted_ids):
 
 
 # Below this many elements a product runs on the calling thread alone (kSerialWork
-# in cpu_kernels.cc): the thread tests stay above it, so that several threads run.
+# in csrc/common.h): the thread tests stay above it, so that several threads run.
 SERIAL_WORK = 1 << 17
 
 
@@ -977,12 +977,12 @@ def test_softmax_exp_is_within_one_ulp(tmp_path):
 def test_sanitizer_build_finds_nothing(tmp_path, rng):
     """AddressSanitizer + UndefinedBehaviorSanitizer build of the kernels (the flags
     setup.py uses with JAXCSR_SANITIZE=1), run on random structures."""
-    source = Path(cpu.__file__).parent / "csrc" / "cpu_kernels.cc"
+    sources = sorted(str(p) for p in (Path(cpu.__file__).parent / "csrc").glob("*.cc"))
     library = tmp_path / "_cpu_kernels_sanitized.so"
     flags = ["-std=c++17", "-O0", "-g", "-fno-omit-frame-pointer", "-fPIC", "-shared"]
     flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
     build = subprocess.run(
-        ["g++", *flags, f"-I{jax.ffi.include_dir()}", str(source), "-o", str(library)],
+        ["g++", *flags, f"-I{jax.ffi.include_dir()}", *sources, "-o", str(library)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr[-3000:]

@@ -1,6 +1,6 @@
 """The native CPU backend: jaxcsr's own C++ kernels through XLA FFI.
 
-``csrc/cpu_kernels.cc`` is compiled by ``pip install`` into a plain shared library
+``csrc/*.cc`` are compiled by ``pip install`` into a plain shared library
 (``_cpu_kernels*.so`` beside this module), loaded with ``ctypes`` and registered with
 ``jax.ffi.register_ffi_target`` for the ``cpu`` platform. The products split their
 work over XLA's intra-op thread pool, read 16-bit operands as they are and accumulate

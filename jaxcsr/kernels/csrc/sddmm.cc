@@ -1,0 +1,139 @@
+// The sampled product (Sddmm): one fixed-order dot product per stored entry.
+#include "common.h"
+
+namespace jaxcsr::cpu {
+namespace {
+
+// ------------------------------------------------------------------ SDDMM
+// out[j] = sum_f ct[row_j, f] * x[col_j, f] (float32 sums, stored in out's dtype).
+// Rows come from a row pointer (row r owns entries indptr[r]..indptr[r+1], so ct[r]
+// stays in L1 over its entries) or from an array (-1 or >= m: no row, out 0; empty:
+// the identity); columns from an array (empty: the identity). Entries are independent:
+// any split gives the same bits.
+// Eight partial sums in a fixed order (a vector register's lanes), then added up:
+// vectorised without reassociating anything the compiler would have to prove.
+template <typename In>
+JAXCSR_INLINE float dot(const typename In::Storage* __restrict a,
+                        const typename In::Storage* __restrict b, int64_t f) {
+  float part[8] = {};
+  int64_t i = 0;
+  for (; i + 8 <= f; i += 8)
+    for (int64_t l = 0; l < 8; ++l) part[l] += In::load(a[i + l]) * In::load(b[i + l]);
+  for (int64_t l = 0; i < f; ++i, ++l) part[l] += In::load(a[i]) * In::load(b[i]);
+  return fold_lanes<Sum>(part);
+}
+
+template <typename In, typename Out>
+JAXCSR_INLINE void sddmm_body(const int32_t* indptr, const int32_t* rows, const int32_t* cols,
+                              const typename In::Storage* ct, const typename In::Storage* x,
+                              typename Out::Storage* out, int64_t m, int64_t n, int64_t f,
+                              int64_t lo, int64_t hi, bool& bad) {
+  if (indptr) {  // [lo, hi) are rows
+    for (int64_t r = lo; r < hi; ++r) {
+      for (int64_t j = indptr[r]; j < indptr[r + 1]; ++j) {
+        const int64_t col = cols ? cols[j] : j;
+        if (static_cast<uint64_t>(col) >= static_cast<uint64_t>(n)) {
+          bad = true;
+          out[j] = Out::store(0.0f);
+          continue;
+        }
+        out[j] = Out::store(dot<In>(ct + r * f, x + col * f, f));
+      }
+    }
+    return;
+  }
+  for (int64_t j = lo; j < hi; ++j) {  // [lo, hi) are entries
+    const int64_t r = rows ? rows[j] : j, col = cols ? cols[j] : j;
+    if (r < 0 || r >= m) {  // a dropped entry: no row, no value
+      out[j] = Out::store(0.0f);
+      continue;
+    }
+    if (static_cast<uint64_t>(col) >= static_cast<uint64_t>(n)) {
+      bad = true;
+      out[j] = Out::store(0.0f);
+      continue;
+    }
+    out[j] = Out::store(dot<In>(ct + r * f, x + col * f, f));
+  }
+}
+
+template <typename In, typename Out>
+struct SddmmEntries {
+  template <typename... Args>
+  JAXCSR_INLINE static void run(Args&&... args) {
+    sddmm_body<In, Out>(std::forward<Args>(args)...);
+  }
+};
+
+template <typename In, typename Out, typename Unused>
+struct SddmmKernel {
+  static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
+                        const int32_t* rows, const int32_t* cols, const void* ct,
+                        const void* x, void* out, int64_t m, int64_t n, int64_t f,
+                        int64_t entries) {
+    const int64_t threads = thread_count(pool, max_threads);
+    const int64_t chunks = chunk_count(entries * f, threads, 8);
+    std::vector<int64_t> starts;
+    if (indptr) {
+      starts = row_chunks(indptr, m, chunks);
+    } else {
+      starts.resize(chunks + 1);
+      for (int64_t c = 0; c <= chunks; ++c) starts[c] = entries * c / chunks;
+    }
+    std::atomic<bool> any_bad{false};
+    parallel_chunks(pool, chunks, threads, [&](int64_t c) {
+      bool bad = false;
+      run_best<SddmmEntries<In, Out>>(
+          indptr, rows, cols, static_cast<const typename In::Storage*>(ct),
+          static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(out),
+          m, n, f, starts[c], starts[c + 1], bad);
+      if (bad) any_bad.store(true);
+    });
+    if (any_bad.load())
+      return ffi::Error::InvalidArgument("jaxcsr cpu: a column index is out of range");
+    return ffi::Error::Success();
+  }
+};
+
+// indptr: (m + 1,) or empty; rows: (entries,) or empty; cols: (entries,) or empty.
+ffi::Error SddmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
+                     ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer ct,
+                     ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t max_threads) {
+  auto cd = ct.dimensions();
+  auto xd = x.dimensions();
+  if (cd.size() != 2 || xd.size() != 2 || cd[1] != xd[1] || out->dimensions().size() != 1 ||
+      ct.element_type() != x.element_type())
+    return ffi::Error::InvalidArgument("jaxcsr cpu: sddmm operands do not match");
+  const int64_t m = cd[0], n = xd[0], f = cd[1];
+  const int64_t entries = out->dimensions()[0];
+  const bool by_rows = indptr.element_count() > 0;
+  const bool has_rows = rows.element_count() > 0, has_cols = cols.element_count() > 0;
+  if (by_rows && (static_cast<int64_t>(indptr.element_count()) != m + 1 || has_rows ||
+                  !valid_indptr(indptr.typed_data(), m, entries)))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
+  if ((has_rows && static_cast<int64_t>(rows.element_count()) != entries) ||
+      (has_cols && static_cast<int64_t>(cols.element_count()) != entries) ||
+      (!by_rows && !has_rows && entries > m) || (!has_cols && entries > n))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: sddmm index arrays do not match");
+  return dispatch<SddmmKernel>(x.element_type(), out->element_type(), 0, pool, max_threads,
+                               by_rows ? indptr.typed_data() : nullptr,
+                               has_rows ? rows.typed_data() : nullptr,
+                               has_cols ? cols.typed_data() : nullptr, ct.untyped_data(),
+                               x.untyped_data(), out->untyped_data(), m, n, f, entries);
+}
+
+}  // namespace
+}  // namespace jaxcsr::cpu
+
+using namespace jaxcsr::cpu;
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxcsrSddmm, SddmmImpl,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::ThreadPool>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("max_threads"));
