@@ -355,6 +355,15 @@ class CSRMatrix(SparseOperand):
             structure, device_order = device_plan.coo_structure(row, col, shape)
             return cls._planned(structure, data, backends, device_order, on_device=True)
         row, col = check_coo(row, col, shape)
+        return cls._from_checked_coo(row, col, shape, data, backends)
+
+    @classmethod
+    def _from_checked_coo(
+        cls, row: np.ndarray, col: np.ndarray, shape: tuple[int, int], data: Any, backends: Any
+    ) -> CSRMatrix:
+        """:meth:`from_coo` of host coordinates its caller has checked (``check_coo``, or
+        ids through ``check_segment_ids`` and their positions), without checking them
+        again."""
         indptr, indices, order = plan.coo_to_csr(row, col, shape)
         return cls._from_host_csr(indptr, indices, data, shape, backends, order)
 

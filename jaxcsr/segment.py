@@ -192,7 +192,9 @@ def segment_matrix(
     if mode != "check" and not keep.all():  # jax.ops: out-of-range entries are left out
         kept, num_segments = check_segment_ids(ids[keep], num_segments, names=names)
         shape = (num_segments, ids.size)
-        matrix = CSRMatrix.from_coo(kept, np.flatnonzero(keep), shape=shape, backends=backends)
+        # checked once, here: the kept ids are in range, their positions are columns
+        positions = np.flatnonzero(keep)
+        matrix = CSRMatrix._from_checked_coo(kept, positions, shape, None, backends)
     else:
         ids, num_segments = check_segment_ids(ids, num_segments, names=names)
         # checked once, here: the matrix trusts them

@@ -264,3 +264,27 @@ def test_concrete_ids_are_checked_once_per_call(rng, monkeypatch):
     out = jaxcsr.segment_max(x, ids, 37)
     assert len(calls) == 1
     np.testing.assert_allclose(np.asarray(out), segment_reference(x, ids, 37, "max"), rtol=1e-6)
+
+
+def test_dropped_ids_are_checked_once_per_call(rng, monkeypatch):
+    """With out-of-range ids dropped (jax.ops' default), the kept ids are range-checked
+    once at the door and the matrix is built from them without ``check_coo``."""
+    import jaxcsr.matrix
+    import jaxcsr.segment
+
+    calls = []
+    for module, name in ((jaxcsr.segment, "check_segment_ids"), (jaxcsr.matrix, "check_coo")):
+        checked = getattr(module, name)
+
+        def counted(*args, _checked=checked, _name=name, **kwargs):
+            calls.append(_name)
+            return _checked(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    ids = rng.integers(-3, 40, 907)  # fresh, some negative and some >= 37: dropped
+    x = random_values(rng, (907, 3)).astype(np.float32)
+    out = jaxcsr.segment_sum(x, ids, 37)
+    assert calls == ["check_segment_ids"]
+    keep = (ids >= 0) & (ids < 37)
+    want = segment_reference(x[keep], ids[keep], 37, "sum")
+    np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
