@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -259,6 +260,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         action="store_true",
         help="also check the edge-weight gradient and train the adjacency values",
     )
+    p.add_argument("--out", type=Path, default=None, help="folder for gcn.json and gcn.md")
     args = p.parse_args(argv)
     names = [a for a in args.aggregators.split(",") if a]
     bad = sorted(set(names) - set(AGGREGATORS))
@@ -278,23 +280,34 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 file=sys.stderr,
                 flush=True,
             )
-    head = "| aggregation | step time (median, ms) | compile (s) | traces | test accuracy |"
-    print(head)
-    print("|---|---|---|---|---|")
+    lines = [
+        "| aggregation | step time (median, ms) | compile (s) | traces | test accuracy |",
+        "|---|---|---|---|---|",
+    ]
     for name in names:
         rs = [r for r in runs if r["aggregator"] == name]
         accs = np.array([r["test_accuracy"] for r in rs])
         steps = np.array([r["step_median_s"] for r in rs]) * 1e3
-        print(
+        lines.append(
             f"| {name} | {np.median(steps):.2f} | {np.median([r['compile_s'] for r in rs]):.2f} | "
             f"{max(r['traces'] for r in rs)} | {100 * accs.mean():.1f} ± {100 * accs.std():.1f} "
             f"(n={len(accs)}) |"
         )
+    record: dict[str, Any] = {"argv": sys.argv[1:], "jax": jax.__version__, "runs": runs}
     if args.learn_edge_weights:
         g_jaxcsr, g_ref = edge_weight_gradients(data)
-        err = np.abs(g_jaxcsr - g_ref).max() / np.abs(g_ref).max()
-        print(f"edge-weight gradient vs segment_sum reference: max relative difference {err:.2e}")
-        print("learned edge weights:", train_edge_weights(data, seed=0, epochs=args.epochs))
+        err = float(np.abs(g_jaxcsr - g_ref).max() / np.abs(g_ref).max())
+        learned = train_edge_weights(data, seed=0, epochs=args.epochs)
+        record["edge_weight_gradient_max_rel_diff"] = err
+        record["learned_edge_weights"] = learned
+        lines.append("")
+        lines.append(f"edge-weight gradient vs segment_sum reference: max relative diff {err:.2e}")
+        lines.append(f"learned edge weights: {learned}")
+    print("\n".join(lines))
+    if args.out is not None:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "gcn.json").write_text(json.dumps(record, indent=1, default=float))
+        (args.out / "gcn.md").write_text("\n".join(lines) + "\n")
     return runs
 
 
