@@ -234,22 +234,29 @@ def test_lowers_to_mosaic_for_tpu(dtype):
     assert "tpu_custom_call" not in text.mlir_module()
 
 
-def test_traced_unsorted_ids_default_to_xla_sorted_ones_to_the_kernel():
+def test_traced_ids_default_to_the_kernel_only_when_sorted_and_long():
     """On TPU, ``impl=None`` runs XLA's scatter for unsorted traced ids (a sort and a
-    gather per call cost more there) and the kernel for sorted ones; ``impl=`` forces it."""
-    v = jax.ShapeDtypeStruct((64, 16), jnp.float32)
-    ids = jax.ShapeDtypeStruct((64,), jnp.int32)
+    gather per call cost more there) and for sorted ones with fewer than
+    DEVICE_PLAN_MIN_IDS_PER_ROW ids per segment (the device plan costs per row); the
+    kernel for longer sorted segments; ``impl=`` forces it."""
+    per_row = tpu.DEVICE_PLAN_MIN_IDS_PER_ROW
+    v_long = jax.ShapeDtypeStruct((9 * per_row, 16), jnp.float32)
+    v_short = jax.ShapeDtypeStruct((9 * per_row - 1, 16), jnp.float32)
 
-    def lowered(impl=None, **kw):
+    def lowered(v, impl=None, **kw):
+        ids = jax.ShapeDtypeStruct(v.shape[:1], jnp.int32)
+
         def f(v, i):
             A = CSRMatrix.from_indices(i, 9, backends=ALL, **kw)
             return jaxcsr.matmul(A, v, impl=impl)
 
         return export.export(jax.jit(f), platforms=["tpu"])(v, ids).mlir_module()
 
-    assert "tpu_custom_call" not in lowered()
-    assert "tpu_custom_call" in lowered(indices_are_sorted=True)
-    assert "tpu_custom_call" in lowered(impl="pallas_tpu")
+    assert "tpu_custom_call" not in lowered(v_long)
+    assert "tpu_custom_call" in lowered(v_long, indices_are_sorted=True)
+    assert "tpu_custom_call" not in lowered(v_short, indices_are_sorted=True)
+    assert "tpu_custom_call" in lowered(v_short, impl="pallas_tpu", indices_are_sorted=True)
+    assert "tpu_custom_call" in lowered(v_long, impl="pallas_tpu")
     structure = device_plan.segment_structure(jnp.zeros(64, jnp.int32), 9)
     assert not tpu.default_for(structure) and tpu.covers(structure)
 

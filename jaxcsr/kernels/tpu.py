@@ -649,15 +649,29 @@ def covers(view: Structure) -> bool:
     return not view.one_per_row
 
 
+DEVICE_PLAN_MIN_IDS_PER_ROW = 28
+"""Traced sorted ids run the kernel by default from this many ids per segment on.
+
+The schedule planned on the device inside each call costs about 170 ns per output
+row on a v5e (2.1 / 5.8 / 13.8 ms on 11,758 / 37,700 / 81,306 rows), and the kernel
+saves about 6 ns per id against XLA's scatter of sorted ids (tolokers, musae_github,
+twitter_ego, N = 16 and 128; ``benchmarks/results/tpu-v5e/tpu.md``): the kernel wins
+from about 28 ids per row. musae_github's 15 ran at 0.69x with the kernel."""
+
+
 def default_for(view: Structure, dtype: Any = None, reduce: str | None = "sum") -> bool:
     """Backend entry (``Backend.default_for``): whether ``impl=None`` runs the kernel on
-    a view it covers, whatever the dtype and reduction: not for unsorted ids
-    planned on the device, whose sort and gather on a TPU cost more than XLA's scatter
-    on ids that arrive grouped by segment (measured on tolokers: 11.9 ms against
-    9.7 ms at 128 float32 features; ``benchmarks/results/tpu-v5e/``). Sorted traced
-    ids (``indices_are_sorted=True``) need neither and run the kernel."""
+    a view it covers, whatever the dtype and reduction. Segment ids planned on the
+    device (traced) run XLA's scatter when unsorted -- a sort and gather per call cost
+    more on a TPU than XLA's scatter on ids that arrive grouped by segment (tolokers:
+    11.9 ms against 9.7 ms at 128 float32 features; ``benchmarks/results/tpu-v5e/``)
+    -- and when sorted (``indices_are_sorted=True``) with fewer than
+    :data:`DEVICE_PLAN_MIN_IDS_PER_ROW` ids per segment."""
     del dtype, reduce
-    return not (view.layout.padded and view.one_per_column and not view.sorted_ids)
+    if not (view.layout.padded and view.one_per_column):
+        return True
+    rows, ids = view.shape
+    return view.sorted_ids and ids >= DEVICE_PLAN_MIN_IDS_PER_ROW * rows
 
 
 def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
