@@ -371,12 +371,25 @@ def workloads_need_messages(workloads) -> bool:
     )
 
 
-def _jax_ops_softmax(x, ids, num_segments, *, indices_are_sorted=False):
-    """The stable segment softmax users write with ``jax.ops``."""
+def jax_ops_softmax(x, ids, num_segments, *, indices_are_sorted=False):
+    """The stable segment softmax users write with ``jax.ops`` (jraph's
+    ``segment_softmax``: shift by the segment max, ``exp``, sum, divide)."""
     kw = dict(indices_are_sorted=indices_are_sorted)
     peak = jax.ops.segment_max(jax.lax.stop_gradient(x), ids, num_segments, **kw)
     e = jnp.exp(x - peak[ids])
     return e / jax.ops.segment_sum(e, ids, num_segments, **kw)[ids]
+
+
+def softmax64(x: Any, ids: np.ndarray, num_segments: int) -> np.ndarray:
+    """The float64 segment softmax of ``x`` (``(n,)`` or ``(n, H)``) over ``ids``."""
+    x = _f64(x)
+    shape = (num_segments, *x.shape[1:])
+    peak = np.full(shape, -np.inf)
+    np.maximum.at(peak, ids, x)
+    e = np.exp(x - peak[ids])
+    total = np.zeros(shape)
+    np.add.at(total, ids, e)
+    return e / total[ids]
 
 
 def _softmax_cases(case, graph, operands, edges: _Edges, ct_e, dtype, use_torch):
@@ -390,9 +403,9 @@ def _softmax_cases(case, graph, operands, edges: _Edges, ct_e, dtype, use_torch)
     ids = graph.dst
     f = {
         "jaxcsr": lambda x, _: jaxcsr.segment_softmax(x, ids, V),
-        "segment_sum": lambda x, dst: _jax_ops_softmax(x, dst, V),
+        "segment_sum": lambda x, dst: jax_ops_softmax(x, dst, V),
     }
-    fsorted = lambda x, dst: _jax_ops_softmax(x, dst, V, indices_are_sorted=True)  # noqa: E731
+    fsorted = lambda x, dst: jax_ops_softmax(x, dst, V, indices_are_sorted=True)  # noqa: E731
     fwd, bwd = _edge_passes(f, fsorted, operands, edges, ct_e, ct_e[edges.order])
     if use_torch:
         tm = _to_torch(edges.host, dtype)
@@ -412,22 +425,16 @@ def _softmax_cases(case, graph, operands, edges: _Edges, ct_e, dtype, use_torch)
     io = 2 * E * N * b + E * INDEX_BYTES  # logits in, probabilities out
     fix = {"segment_sum_sorted": lambda y: y[edges.unsort]}
 
-    def softmax64():
-        x = _f64(edges.values)
-        peak = np.full((V, N), -np.inf)
-        np.maximum.at(peak, ids, x)
-        e = np.exp(x - peak[ids])
-        total = np.zeros((V, N))
-        np.add.at(total, ids, e)
-        return e / total[ids]
+    def reference64():
+        return softmax64(edges.values, ids, V)
 
     def softmax_grad64():
-        p, g = softmax64(), _f64(ct_e)
+        p, g = reference64(), _f64(ct_e)
         inner = np.zeros((V, N))
         np.add.at(inner, ids, p * g)
         return p * (g - inner[ids])
 
-    yield case("segment_softmax", "fwd", io, fwd, fix, reference=softmax64)
+    yield case("segment_softmax", "fwd", io, fwd, fix, reference=reference64)
     yield case("segment_softmax", "bwd", io + E * N * b, bwd, fix, reference=softmax_grad64)
 
 

@@ -35,6 +35,7 @@ import numpy as np
 import jaxcsr
 from benchmarks import measure, report
 from benchmarks.datasets import load_graph
+from benchmarks.systems import jax_ops_softmax, softmax64
 
 try:
     import torch
@@ -42,23 +43,6 @@ except ImportError:  # optional extra
     torch = None
 
 TWITTER = Path(__file__).resolve().parents[2] / "shared" / "data" / "twitter_ego.npz"
-
-
-def _ops_softmax(x, ids, n, *, indices_are_sorted=False):
-    kw = dict(indices_are_sorted=indices_are_sorted)
-    peak = jax.ops.segment_max(jax.lax.stop_gradient(x), ids, n, **kw)
-    e = jnp.exp(x - peak[ids])
-    return e / jax.ops.segment_sum(e, ids, n, **kw)[ids]
-
-
-def _softmax64(x: np.ndarray, ids: np.ndarray, n: int) -> np.ndarray:
-    x = x.astype(np.float64)
-    peak = np.full((n, x.shape[1]), -np.inf)
-    np.maximum.at(peak, ids, x)
-    e = np.exp(x - peak[ids])
-    total = np.zeros((n, x.shape[1]))
-    np.add.at(total, ids, e)
-    return e / total[ids]
 
 
 def _fwd_bwd(f):
@@ -82,16 +66,16 @@ def softmax_cells(graph, widths, repeats, rng) -> list[dict]:
         ct_host = rng.standard_normal((E, n), dtype=np.float32)
         x, ct = jnp.asarray(x_host), jnp.asarray(ct_host)
         xs, cts = x[order], ct[order]
-        want = _softmax64(x_host, dst, V)
+        want = softmax64(x_host, dst, V)
         inner = np.zeros((V, n))
         np.add.at(inner, dst, want * ct_host)
         want_grad = want * (ct_host - inner[dst])
         systems = {  # name: (function, inputs, maps the output to edge order)
             "jaxcsr.segment_softmax": (lambda x: jaxcsr.segment_softmax(x, dst, V), x, ct, None),
             "jaxcsr.edge_softmax": (lambda x: jaxcsr.edge_softmax(A, x), xs, cts, order),
-            "jax.ops unsorted": (lambda x: _ops_softmax(x, dst_j, V), x, ct, None),
+            "jax.ops unsorted": (lambda x: jax_ops_softmax(x, dst_j, V), x, ct, None),
             "jax.ops sorted": (
-                lambda x: _ops_softmax(x, dst_sorted, V, indices_are_sorted=True),
+                lambda x: jax_ops_softmax(x, dst_sorted, V, indices_are_sorted=True),
                 xs,
                 cts,
                 order,
