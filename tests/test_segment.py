@@ -244,21 +244,31 @@ def test_segment_prod_matches_float64_with_dropped_and_clipped_ids(rng):
     assert_close(moved, np.asarray(jaxcsr.segment_prod(v, ids, 5)).T, np.float32)
 
 
+def _count_calls(monkeypatch, *targets) -> list[str]:
+    """Wraps each ``(module, name)`` so that a call appends ``name`` to the returned list."""
+    calls: list[str] = []
+    for module, name in targets:
+        original = getattr(module, name)
+
+        def counted(*args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(*args, **kwargs)
+
+        monkeypatch.setattr(module, name, counted)
+    return calls
+
+
 def test_concrete_ids_are_checked_once_per_call(rng, monkeypatch):
     """segment_* validate the ids at their door and hand them to the matrix checked:
     one range check of fresh ids per call (the matrix does not check them again)."""
     import jaxcsr.matrix
     import jaxcsr.segment
 
-    calls = []
-    for module in (jaxcsr.segment, jaxcsr.matrix):
-        checked = module.check_segment_ids
-
-        def counted(*args, _checked=checked, **kwargs):
-            calls.append(1)
-            return _checked(*args, **kwargs)
-
-        monkeypatch.setattr(module, "check_segment_ids", counted)
+    calls = _count_calls(
+        monkeypatch,
+        (jaxcsr.segment, "check_segment_ids"),
+        (jaxcsr.matrix, "check_segment_ids"),
+    )
     ids = rng.integers(0, 37, 911)  # fresh ids: not in the matrix cache
     x = random_values(rng, (911, 3)).astype(np.float32)
     out = jaxcsr.segment_max(x, ids, 37)
@@ -272,15 +282,9 @@ def test_dropped_ids_are_checked_once_per_call(rng, monkeypatch):
     import jaxcsr.matrix
     import jaxcsr.segment
 
-    calls = []
-    for module, name in ((jaxcsr.segment, "check_segment_ids"), (jaxcsr.matrix, "check_coo")):
-        checked = getattr(module, name)
-
-        def counted(*args, _checked=checked, _name=name, **kwargs):
-            calls.append(_name)
-            return _checked(*args, **kwargs)
-
-        monkeypatch.setattr(module, name, counted)
+    calls = _count_calls(
+        monkeypatch, (jaxcsr.segment, "check_segment_ids"), (jaxcsr.matrix, "check_coo")
+    )
     ids = rng.integers(-3, 40, 907)  # fresh, some negative and some >= 37: dropped
     x = random_values(rng, (907, 3)).astype(np.float32)
     out = jaxcsr.segment_sum(x, ids, 37)
