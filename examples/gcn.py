@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -29,7 +28,7 @@ import scipy.sparse as sp
 from jax.experimental import sparse as jsparse
 
 import jaxcsr
-from benchmarks import measure
+from benchmarks import measure, report
 from benchmarks.datasets import DATA_DIR, load_graph
 from jaxcsr import CSRMatrix
 
@@ -305,9 +304,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         lines.append(f"learned edge weights: {learned}")
     print("\n".join(lines))
     if args.out is not None:
-        args.out.mkdir(parents=True, exist_ok=True)
-        (args.out / "gcn.json").write_text(json.dumps(record, indent=1, default=float))
-        (args.out / "gcn.md").write_text("\n".join(lines) + "\n")
+        report.write_study(args.out, "gcn", record, "\n".join(lines) + "\n")
     return runs
 
 

@@ -12,7 +12,6 @@ to ``--out``.
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 import jax
@@ -20,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxcsr
+from benchmarks import report
 from benchmarks.systems import jax_ops_softmax, softmax64
 
 
@@ -75,11 +75,10 @@ def main(argv=None) -> list[dict]:
     args = p.parse_args(argv)
     rng = np.random.default_rng(0)
     rows = [measure(float(s), args.entries, args.segments, rng) for s in args.scales.split(",")]
-    args.out.mkdir(parents=True, exist_ok=True)
     record = {"jax": jax.__version__, "backend": jax.default_backend(), "rows": rows}
-    (args.out / "softmax_accuracy.json").write_text(json.dumps(record, indent=1))
-    (args.out / "softmax_accuracy.md").write_text(table(rows))
-    print(table(rows))
+    text = table(rows)
+    report.write_study(args.out, "softmax_accuracy", record, text)
+    print(text)
     return rows
 
 
