@@ -26,7 +26,13 @@ import jax.numpy as jnp
 from jaxcsr.plan import index_dtype_for
 from jaxcsr.structure import Layout, Structure
 
-__all__ = ["coo_structure", "row_pointer", "segment_structure", "sorted_row_pointer"]
+__all__ = [
+    "coo_structure",
+    "row_pointer",
+    "segment_structure",
+    "sorted_promise_holds",
+    "sorted_row_pointer",
+]
 
 
 def row_pointer(keys: jax.Array, num_rows: int, dtype) -> jax.Array:
@@ -44,9 +50,19 @@ def sorted_row_pointer(sorted_keys: jax.Array, num_rows: int, dtype) -> jax.Arra
 
 
 def _dropped_to(ids: jax.Array, bound: int, dtype) -> jax.Array:
-    """``ids`` with every id outside ``[0, bound)`` replaced by ``bound``."""
-    ids = ids.astype(dtype)
-    return jnp.where((ids >= 0) & (ids < bound), ids, jnp.asarray(bound, dtype))
+    """``ids`` with every id outside ``[0, bound)`` replaced by ``bound``, in ``dtype``
+    (compared in their own dtype first: an int64 id >= 2**31 is dropped, not wrapped)."""
+    keep = (ids >= 0) & (ids < bound)
+    return jnp.where(keep, ids.astype(dtype), jnp.asarray(bound, dtype))
+
+
+def sorted_promise_holds(ids: jax.Array, num_rows: int) -> jax.Array:
+    """Whether traced ``ids`` keep :func:`segment_structure`'s sorted promise: with every
+    id outside ``[0, num_rows)`` read as ``num_rows``, non-decreasing. ``jax.ops``'
+    ``indices_are_sorted`` promises less (dropped ids at either end); the segment
+    functions test this, one pass over the ids, and sort where it fails."""
+    keys = _dropped_to(ids, num_rows, index_dtype_for(num_rows))
+    return jnp.all(keys[1:] >= keys[:-1])
 
 
 def segment_structure(ids: jax.Array, num_rows: int, *, sorted_ids: bool = False) -> Structure:
@@ -58,7 +74,8 @@ def segment_structure(ids: jax.Array, num_rows: int, *, sorted_ids: bool = False
       num_rows: static number of rows ``M``.
       sorted_ids: the caller promises ``ids`` is non-decreasing with every dropped
         id at the end (``>= num_rows``): the sort is skipped and ``indices`` is not
-        stored. A broken promise gives unspecified results, as in ``jax.ops``.
+        stored. A broken promise gives wrong results: callers that cannot vouch for
+        it test it first (:func:`sorted_promise_holds`).
 
     Returns:
       The structure of shape ``(M, K)``: ``row_of_col`` is ``ids`` as given
@@ -67,8 +84,11 @@ def segment_structure(ids: jax.Array, num_rows: int, *, sorted_ids: bool = False
     """
     (size,) = ids.shape
     dtype = index_dtype_for(size, num_rows)
-    ids = ids.astype(dtype)
     keys = _dropped_to(ids, num_rows, dtype)
+    if jnp.iinfo(ids.dtype).max > jnp.iinfo(dtype).max:
+        ids = keys  # narrowing could wrap an out-of-range id into range: store the keys
+    else:
+        ids = ids.astype(dtype)
     if sorted_ids:
         ordered, indices = keys, None
     else:

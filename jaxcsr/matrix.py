@@ -109,6 +109,13 @@ class SparseOperand(abc.ABC):
     def dtype(self) -> np.dtype | None:
         """dtype of the values; ``None`` for a one-valued matrix."""
 
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        """Refuses numpy's conversion (which would give a 0-d object array)."""
+        raise TypeError(
+            f"a {type(self).__name__} is not a dense array: use .todense() for a JAX "
+            "array, or .to_scipy() for a scipy sparse copy on the host"
+        )
+
     @abc.abstractmethod
     def product(
         self, x: jax.Array, *, reduce: str, return_arg: bool, impl: str | None, interpret: bool
@@ -600,7 +607,17 @@ class CSRMatrix(SparseOperand):
 
         One-valued matrices get float32 ones; float16/bfloat16 values become float32
         (scipy's sparse routines take neither).
+
+        Raises:
+          ValueError: inside ``jax.jit`` (a traced matrix has no values on the host).
         """
+        reject_traced(
+            self,
+            "the matrix",
+            "to_scipy() copies it to the host. Call it outside jax.jit, on a concrete "
+            "matrix (return the matrix, or its data, from the jitted function), or use "
+            "todense() inside.",
+        )
         if self.data is None:
             data = np.ones(self.nnz, np.float32)
         else:

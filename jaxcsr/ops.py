@@ -191,9 +191,10 @@ def _out_dtype(x_dtype, data_dtype, accumulate: bool):
 
 
 def _is_empty(structure: Structure, width: int) -> bool:
-    """No stored entry or no feature: every product, arg and tangent is a constant.
-    Answered here so that no backend sees an empty operand."""
-    return structure.nnz == 0 or width == 0
+    """No stored entry, no feature, or no row or column (a padded layout's entries are
+    then all dropped): every product, arg and tangent is a constant. Answered here so
+    that no backend sees an empty operand."""
+    return structure.nnz == 0 or width == 0 or 0 in structure.shape
 
 
 def reduce_rows(
@@ -526,7 +527,7 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
             # <= 1 nonzero per column (from_indices): the tangent is a masked sum,
             # A @ (mask * x_dot), whose transpose is a row gather times the mask.
             search = kernels.fallback().arg_search.column_mask
-            mask = jax.lax.stop_gradient(search(x, data, s, out))
+            mask = search(*jax.lax.stop_gradient((x, data)), s, jax.lax.stop_gradient(out))
             tangent = jnp.zeros(out.shape, out.dtype)
             if x_live:
                 masked = jnp.where(mask, x_dot, jnp.zeros((), x_dot.dtype))
@@ -546,7 +547,9 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
             x, data, out, x_dot if x_live else None, data_dot if data_live else None,
             default=masked_sum, **branches,
         )  # fmt: skip
-    position = jax.lax.stop_gradient(arg_search("positions", x, data, index, out, impl))
+    # the searches are integer-valued: their inputs carry no tangent (higher orders)
+    found_in = jax.lax.stop_gradient((x, data, out))
+    position = arg_search("positions", *found_in[:2], index, found_in[2], impl)
     valid = position < nnz
     position = jnp.minimum(position, nnz - 1)
     columns = s.view_indices()[position]  # (m, F)
@@ -590,7 +593,8 @@ def _at_columns(search: kernels.ArgSearch, structure: Structure):
 
     def tangent(x, data, out, x_dot, data_dot):
         n = x.shape[0]
-        found = jax.lax.stop_gradient(search.columns(x, data, structure, out))
+        x_, data_, out_ = jax.lax.stop_gradient((x, data, out))
+        found = search.columns(x_, data_, structure, out_)
         valid = found < n
         columns = jnp.minimum(found, n - 1)
         rows = structure.column_rows()

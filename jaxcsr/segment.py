@@ -24,6 +24,7 @@ is the last-axis scatter ``data @ A.T``.
 from __future__ import annotations
 
 import collections
+import dataclasses
 import hashlib
 import threading
 from typing import Any
@@ -32,8 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxcsr import kernels, plan
-from jaxcsr.matrix import CSRMatrix, matmul
+from jaxcsr import device_plan, kernels, plan
+from jaxcsr.matrix import CSRMatrix, SparseOperand, matmul
 from jaxcsr.softmax import shifted_exp, softmax_over_rows
 from jaxcsr.validation import (
     as_host_int_array,
@@ -109,6 +110,37 @@ def _traced_matrix(segment_ids, num_segments, mode, backends, sorted_ids: bool) 
     )
 
 
+@dataclasses.dataclass(frozen=True)
+class _SortedOrNot:
+    """Traced ids given with ``indices_are_sorted=True``: ``jax.ops``' flag promises
+    sorted ids, dropped ones at either end (``-1`` padding sorts first), and on CPU
+    ``jax.ops`` is right even when they are not sorted. The plan that skips the sort
+    needs more (dropped ids at the end), so both plans are built and :func:`_on_plan`
+    runs the first where ``holds`` (one pass over the ids), else the sorted one. XLA
+    removes whichever arrays the branch that runs does not read."""
+
+    promised: CSRMatrix
+    planned: CSRMatrix
+    holds: jax.Array
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.promised.shape
+
+
+def _on_plan(A: CSRMatrix | _SortedOrNot, body, *operands):
+    """``body(A, *operands)``; for :class:`_SortedOrNot`, on the plan that is right for
+    the ids, chosen on the device (``lax.cond``; under ``vmap`` of the ids, both)."""
+    if not isinstance(A, _SortedOrNot):
+        return body(A, *operands)
+    return jax.lax.cond(
+        A.holds,
+        lambda *args: body(A.promised, *args),
+        lambda *args: body(A.planned, *args),
+        *operands,
+    )
+
+
 def segment_order(segment_ids: Any, num_segments: int | None = None) -> np.ndarray:
     """The edge permutation that sorts ``segment_ids`` (stable), for static graphs.
 
@@ -173,8 +205,7 @@ def segment_matrix(
       TypeError: non-integer ids or ``num_segments``; a traced ``num_segments``, or
         none with traced ids.
     """
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = _mode_argument(mode)
     if is_traced(segment_ids):
         return _traced_matrix(segment_ids, num_segments, mode, backends, indices_are_sorted)
     ids, num_segments = _host_ids(segment_ids, num_segments)  # before the cache: 2.0 != 2
@@ -204,6 +235,33 @@ def segment_matrix(
         while len(_cache) > CACHE_SIZE:
             _cache.popitem(last=False)
     return matrix
+
+
+def _ids_argument(segment_ids: Any) -> Any:
+    """Traced ids as given; anything else as a host integer array (a ragged list or a
+    matrix raises a ``TypeError`` naming ``segment_ids``)."""
+    if is_traced(segment_ids):
+        return segment_ids
+    return as_host_int_array(segment_ids, "segment_ids")
+
+
+def _mode_argument(mode: Any) -> Mode:
+    """``mode`` as one of :data:`MODES`; ``jax.lax.GatherScatterMode`` members, which
+    ``jax.ops`` also accepts, name theirs."""
+    if isinstance(mode, jax.lax.GatherScatterMode):
+        named = {
+            jax.lax.GatherScatterMode.CLIP: "clip",
+            jax.lax.GatherScatterMode.FILL_OR_DROP: "drop",
+            jax.lax.GatherScatterMode.PROMISE_IN_BOUNDS: "promise_in_bounds",
+        }
+        if mode not in named:
+            raise ValueError(f"mode {mode} has no segment reduction; use one of {MODES}")
+        return named[mode]
+    if mode not in MODES:
+        raise ValueError(
+            f"mode must be one of {MODES} or a jax.lax.GatherScatterMode, got {mode!r}"
+        )
+    return mode
 
 
 def _check_axis(data: jax.Array, axis: int) -> int:
@@ -237,15 +295,19 @@ def _prepare(
 ) -> tuple:
     """Validates (dtype first, before any planning), plans, and moves ``axis`` first.
     ``name`` is what errors call ``data``; ``floating`` asks for a floating dtype;
-    ``sorted_ids`` is ``indices_are_sorted``. Like ``jax.ops``, a 0-d ``data`` (or a
-    length-1 leading axis) is broadcast to every id."""
+    ``sorted_ids`` is ``indices_are_sorted`` (traced ids: a :class:`_SortedOrNot`). Like
+    ``jax.ops``, a 0-d ``data`` (or a length-1 leading axis) is broadcast to every id."""
     data = as_numeric(data, name, floating=floating)
+    segment_ids = _ids_argument(segment_ids)
     data = _broadcast_to_ids(data, segment_ids, axis)
     axis = _check_axis(data, axis)
     backends = _backends_for(impl)
-    A = segment_matrix(
-        segment_ids, num_segments, mode, backends=backends, indices_are_sorted=sorted_ids
-    )
+    A: CSRMatrix | _SortedOrNot
+    A = segment_matrix(segment_ids, num_segments, mode, backends=backends)
+    if sorted_ids and is_traced(segment_ids):
+        ids, m = _traced_ids(segment_ids, A.shape[0], mode)
+        promised = CSRMatrix.from_indices(ids, m, backends=backends, indices_are_sorted=True)
+        A = _SortedOrNot(promised, A, device_plan.sorted_promise_holds(ids, m))
     _check_length(data, axis, A.shape[1])
     return A, jnp.moveaxis(data, axis, 0), axis
 
@@ -270,8 +332,14 @@ def _broadcast_to_ids(data: jax.Array, segment_ids: Any, axis: Any) -> jax.Array
 
 
 def _dtype_of(value: Any) -> np.dtype:
-    """``value``'s dtype without converting a (possibly traced) array."""
-    return np.dtype(value.dtype if hasattr(value, "dtype") else np.asarray(value).dtype)
+    """``value``'s dtype without converting a (possibly traced) array; ``object`` for
+    what numpy cannot convert (the argument checks then name it)."""
+    if hasattr(value, "dtype") and not isinstance(value, SparseOperand):
+        return np.dtype(value.dtype)
+    try:
+        return np.asarray(value).dtype
+    except (TypeError, ValueError):
+        return np.dtype(object)
 
 
 def _nonempty(A: CSRMatrix, ndim: int) -> jax.Array:
@@ -302,22 +370,58 @@ def _reduce(data, segment_ids, num_segments, sorted_ids, mode, axis, return_arg,
             raise TypeError(f"data must have a numeric dtype for segment_{reduce}, got bool")
         data = jnp.asarray(data, jnp.int32)
     A, x, axis = _prepare(data, segment_ids, num_segments, mode, axis, impl, sorted_ids=sorted_ids)
-    result = matmul(A, x, reduce=reduce, return_arg=return_arg, impl=impl)
-    out, arg = result if return_arg else (result, None)
+    fill = None
     if reduce in ("max", "min"):
-        dtype = jnp.bool_ if boolean else out.dtype
-        fill = _identity(dtype, reduce) if empty is None else empty
-        out = jnp.where(_nonempty(A, out.ndim), out, jnp.asarray(fill).astype(out.dtype))
+        fill = _empty_value(jnp.bool_ if boolean else x.dtype, reduce, empty)
+
+    def body(A: CSRMatrix, x: jax.Array):
+        result = matmul(A, x, reduce=reduce, return_arg=return_arg, impl=impl)
+        out, arg = result if return_arg else (result, None)
+        if fill is not None:
+            out = jnp.where(_nonempty(A, out.ndim), out, fill.astype(out.dtype))
+        return (out, arg) if return_arg else out
+
+    result = _on_plan(A, body, x)
+    out, arg = result if return_arg else (result, None)
     if boolean:
         out = out > 0
     out = jnp.moveaxis(out, 0, axis)
     return (out, jnp.moveaxis(arg, 0, axis)) if return_arg else out
 
 
+def _empty_value(dtype, reduce: str, empty: Any) -> Any:
+    """The value of an empty max/min segment as a 0-d array of ``dtype``: ``empty``, or
+    ``None`` for ``jax.ops``' identity. A concrete ``empty`` that ``dtype`` cannot hold
+    exactly (1000 for int8, NaN or 0.5 for integers) raises instead of wrapping; a
+    traced one is cast."""
+    dtype = np.dtype(dtype)
+    if empty is None:
+        return np.asarray(_identity(dtype, reduce), dtype)
+    if is_traced(empty):
+        return jnp.asarray(empty).astype(dtype)
+    value = np.asarray(empty)
+    if (
+        value.ndim != 0
+        or value.dtype == object
+        or not (value.dtype == np.bool_ or np.issubdtype(value.dtype, np.number))
+    ):
+        raise TypeError(f"empty must be a number, got {empty!r}")
+    if dtype == np.bool_ or np.issubdtype(dtype, np.integer):
+        exact = np.isfinite(value) and float(value) == int(value)
+        info = (0, 1) if dtype == np.bool_ else (np.iinfo(dtype).min, np.iinfo(dtype).max)
+        if not exact or not info[0] <= int(value) <= info[1]:
+            raise ValueError(
+                f"empty = {empty!r} is not a value of the data's dtype {dtype} "
+                f"(an integer in [{info[0]}, {info[1]}])"
+            )
+        return np.asarray(int(value), dtype)
+    return np.asarray(value, dtype)
+
+
 def _prepare_logits(logits, segment_ids, num_segments, sorted_ids, axis, impl) -> tuple:
     """:func:`_prepare` for the softmax family: no ``mode`` (out-of-range ids dropped:
     probability 0); integer and bool logits promoted to JAX's default float, as
-    ``jnp.exp`` promotes them."""
+    ``jnp.exp`` promotes them. Returns ``(A, x, axis)``."""
     dtype = _dtype_of(logits)
     if dtype == np.bool_ or jnp.issubdtype(dtype, jnp.integer):
         logits = jnp.asarray(logits, jnp.result_type(float))
@@ -332,12 +436,17 @@ def _prepare_logits(logits, segment_ids, num_segments, sorted_ids, axis, impl) -
         floating=True,
         sorted_ids=sorted_ids,
     )
-    s = A.structure
-    if not (s.one_per_column and s.nnz == s.shape[1]):
+    if isinstance(A, CSRMatrix) and not (
+        A.structure.one_per_column and A.structure.nnz == A.shape[1]
+    ):
         # concrete ids with some out of range: the host plan left those entries out;
         # the device plan keeps one slot per id (dropped ones in padding), which the
-        # fused softmax needs
-        A = _planned_on_device(jnp.asarray(segment_ids), num_rows=A.shape[0], backends=A.backends)
+        # fused softmax needs. Dropped ids become -1 on the host: an int64 id past
+        # int32 must not wrap into range on its way to the device.
+        ids = np.asarray(segment_ids)
+        m = A.shape[0]
+        ids = np.where((ids >= 0) & (ids < m), ids, -1).astype(plan.index_dtype_for(ids.size, m))
+        A = _planned_on_device(jnp.asarray(ids), num_rows=m, backends=A.backends)
     return A, x, axis
 
 
@@ -346,16 +455,9 @@ _planned_on_device = jax.jit(CSRMatrix.from_indices, static_argnames=("num_rows"
 padding: one slot per id)."""
 
 
-def _softmax_parts(logits, segment_ids, num_segments, sorted_ids, axis, impl):
-    """``(A, axis, shifted, exp(shifted), total, peak, input dtype)`` of a stable softmax.
-
-    ``shifted`` is each logit minus its segment's (finite) max ``peak``; ``total`` the
-    per-segment sum of ``exp(shifted)``; all in float32 or wider.
-    """
-    A, x, axis = _prepare_logits(logits, segment_ids, num_segments, sorted_ids, axis, impl)
-    dtype = x.dtype
-    x = x.astype(jnp.promote_types(dtype, jnp.float32))
-    return (A, axis, *shifted_exp(x, A, impl), dtype)
+def _wide(x: jax.Array) -> jax.Array:
+    """Logits in float32 or wider, as the softmax family computes."""
+    return x.astype(jnp.promote_types(x.dtype, jnp.float32))
 
 
 # ------------------------------------------------------------ public functions
@@ -424,7 +526,8 @@ def segment_softmax(logits: Any, segment_ids: Any, num_segments: Size = None,
       [0.2689, 0.7311, 1.0]
     """
     A, x, axis = _prepare_logits(logits, segment_ids, num_segments, indices_are_sorted, axis, impl)
-    return jnp.moveaxis(softmax_over_rows(x, A, impl, name="logits"), 0, axis)
+    out = _on_plan(A, lambda A, x: softmax_over_rows(x, A, impl, name="logits"), x)
+    return jnp.moveaxis(out, 0, axis)
 
 
 def segment_mean(data: Any, segment_ids: Any, num_segments: Size = None,
@@ -457,15 +560,18 @@ def segment_log_softmax(logits: Any, segment_ids: Any, num_segments: Size = None
       >>> [round(float(v), 4) for v in out]
       [-0.6931, -0.6931]
     """
-    A, axis, shifted, _, total, _, dtype = _softmax_parts(
-        logits, segment_ids, num_segments, indices_are_sorted, axis, impl
-    )
-    out = shifted - matmul(A.T, jnp.log(total), impl=impl)
-    s = A.structure
-    if s.layout.padded:  # dropped entries (traced ids out of range): probability 0
-        dropped = (s.column_rows() >= s.shape[0]).reshape((-1,) + (1,) * (out.ndim - 1))
-        out = jnp.where(dropped, -jnp.inf, out)
-    return jnp.moveaxis(out.astype(dtype), 0, axis)
+    A, x, axis = _prepare_logits(logits, segment_ids, num_segments, indices_are_sorted, axis, impl)
+
+    def body(A: CSRMatrix, x: jax.Array) -> jax.Array:
+        shifted, _, total, _ = shifted_exp(_wide(x), A, impl)
+        out = shifted - matmul(A.T, jnp.log(total), impl=impl)
+        s = A.structure
+        if s.layout.padded:  # dropped entries (ids out of range): probability 0
+            dropped = (s.column_rows() >= s.shape[0]).reshape((-1,) + (1,) * (out.ndim - 1))
+            out = jnp.where(dropped, -jnp.inf, out)
+        return out.astype(x.dtype)
+
+    return jnp.moveaxis(_on_plan(A, body, x), 0, axis)
 
 
 def segment_max(data: Any, segment_ids: Any, num_segments: Size = None,
@@ -502,13 +608,16 @@ def segment_logsumexp(logits: Any, segment_ids: Any, num_segments: Size = None,
       >>> [round(float(v), 4) for v in out]
       [0.6931, 0.0, 3.0]
     """
-    A, axis, _, _, total, peak, dtype = _softmax_parts(
-        logits, segment_ids, num_segments, indices_are_sorted, axis, impl
-    )
-    nonempty = _nonempty(A, total.ndim)
-    # log(0) only where the segment is empty; keep its gradient finite there.
-    out = jnp.where(nonempty, jnp.log(jnp.where(nonempty, total, 1)) + peak, 0)
-    return jnp.moveaxis(out.astype(dtype), 0, axis)
+    A, x, axis = _prepare_logits(logits, segment_ids, num_segments, indices_are_sorted, axis, impl)
+
+    def body(A: CSRMatrix, x: jax.Array) -> jax.Array:
+        _, _, total, peak = shifted_exp(_wide(x), A, impl)
+        nonempty = _nonempty(A, total.ndim)
+        # log(0) only where the segment is empty; keep its gradient finite there.
+        out = jnp.where(nonempty, jnp.log(jnp.where(nonempty, total, 1)) + peak, 0)
+        return out.astype(x.dtype)
+
+    return jnp.moveaxis(_on_plan(A, body, x), 0, axis)
 
 
 def segment_min(data: Any, segment_ids: Any, num_segments: Size = None,
@@ -553,19 +662,27 @@ def segment_prod(data: Any, segment_ids: Any, num_segments: Size = None,
       Array([6., 1., 4.], dtype=float32)
     """
     data = as_numeric(data, "data")
+    segment_ids = _ids_argument(segment_ids)
     data = _broadcast_to_ids(data, segment_ids, axis)
     axis = _check_axis(data, axis)
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    mode = _mode_argument(mode)
     ids: Any
     if is_traced(segment_ids):
         ids, num_segments = _traced_ids(segment_ids, num_segments, mode)
+        # dropped ids as -1 in the narrowest index dtype (XLA's scatter wraps an int64
+        # id past int32 into range: jax.ops.segment_prod does, under x64)
+        keep = (ids >= 0) & (ids < num_segments)
+        ids = jnp.where(keep, ids, -1).astype(plan.index_dtype_for(ids.size, num_segments))
     else:
         ids, num_segments = _host_ids(segment_ids, num_segments)
         if mode == "check":
             check_segment_ids(ids, num_segments, names=("segment_ids", "num_segments"))
         elif mode == "clip" and num_segments > 0:
             ids = np.clip(ids, 0, num_segments - 1)
+        # dropped ids become -1 on the host: an int64 id past int32 must not wrap into
+        # range on its way to the device (without x64)
+        keep = (ids >= 0) & (ids < num_segments)
+        ids = np.where(keep, ids, -1).astype(plan.index_dtype_for(ids.size, num_segments))
     _check_length(data, axis, ids.shape[0])
     out = _xla_segment_prod(
         jnp.moveaxis(data, axis, 0),

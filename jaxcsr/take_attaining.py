@@ -1,8 +1,12 @@
-"""The ``take_attaining`` primitive: a max/min's tangent taken at its attaining columns.
+"""The ``take_attaining`` primitive: a max/min's tangent taken at its attaining columns,
+and its transpose ``put_attaining``.
 
 Reading order: primitive -> binding -> impl -> abstract eval -> JVP -> transpose ->
-batching -> lowering. :mod:`jaxcsr.ops` binds it in the JVP of ``csr_matmul``'s max and
-min over one-per-column views, where a backend has its own arg search.
+batching -> lowering, for ``take_attaining`` and then ``put_attaining``. :mod:`jaxcsr.ops`
+binds the first in the JVP of ``csr_matmul``'s max and min over one-per-column views,
+where a backend has its own arg search. The two are each other's transpose and both are
+linear in their first operand, so every order of differentiation stays inside the pair
+(a backend's ``put`` may be a foreign call, which JAX cannot differentiate itself).
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxcsr.primitive import ShapedArray, def_jitted_impl, map_over_batch
 
-__all__ = ["take_attaining", "take_attaining_p"]
+__all__ = ["put_attaining", "put_attaining_p", "take_attaining", "take_attaining_p"]
 
 take_attaining_p = Primitive("take_attaining")
 """``(m, F)``: ``x[columns[r, f], f]`` where ``columns[r, f] < n``, else 0, for the
@@ -62,7 +66,7 @@ def _take_attaining_transpose(ct, x, columns, rows, *, put):
         raise ValueError("take_attaining is linear in x only")
     if type(ct) is ad.Zero:
         return [ad.Zero(x.aval), None, None]
-    return [put(ct, columns, rows).astype(x.aval.dtype), None, None]
+    return [put_attaining(ct, columns, rows, put=put).astype(x.aval.dtype), None, None]
 
 
 def _take_attaining_batch(args, dims, *, put):
@@ -73,13 +77,7 @@ def _take_attaining_batch(args, dims, *, put):
     if rows_bd is not None:
         return map_over_batch(functools.partial(take_attaining, put=put), args, dims), 0
     size = x.shape[x_bd] if x_bd is not None else columns.shape[columns_bd]
-
-    def fold(v, bd):  # (k, F) batched at bd -> (k, size * F)
-        v = jnp.broadcast_to(v[:, None], (v.shape[0], size, v.shape[1])) if bd is None else (
-            jnp.moveaxis(v, bd, 1))  # fmt: skip
-        return v.reshape(v.shape[0], -1)
-
-    out = take_attaining(fold(x, x_bd), fold(columns, columns_bd), rows, put=put)
+    out = take_attaining(_fold(x, x_bd, size), _fold(columns, columns_bd, size), rows, put=put)
     return out.reshape(out.shape[0], size, -1), 1
 
 
@@ -88,3 +86,69 @@ ad.primitive_jvps[take_attaining_p] = _take_attaining_jvp
 ad.primitive_transposes[take_attaining_p] = _take_attaining_transpose
 batching.primitive_batchers[take_attaining_p] = _take_attaining_batch
 mlir.register_lowering(take_attaining_p, mlir.lower_fun(_take_attaining, multiple_results=False))
+
+
+# ------------------------------------------------------------------ put_attaining
+put_attaining_p = Primitive("put_attaining")
+"""``(n, F)``: ``ct[rows[k], f]`` where ``columns[rows[k], f] == k``, else 0 -- the
+transpose of :data:`take_attaining_p`, computed by the static param ``put``. Linear in
+``ct``; its transpose is ``take_attaining``."""
+
+
+def put_attaining(ct: jax.Array, columns: jax.Array, rows: jax.Array, *, put) -> jax.Array:
+    """:data:`put_attaining_p`: ``ct (m, F)`` put at ``columns (m, F)`` of a view whose
+    column ``k`` lies in row ``rows[k]`` (``(n,)``)."""
+    return put_attaining_p.bind(ct, columns, rows, put=put)
+
+
+@put_attaining_p.def_abstract_eval
+def _put_attaining_abstract_eval(ct, columns, rows, *, put):
+    del columns, put
+    return ShapedArray((rows.shape[0], ct.shape[1]), ct.dtype)
+
+
+def _put_attaining_jvp(primals, tangents, *, put):
+    ct, columns, rows = primals
+    out = put_attaining_p.bind(ct, columns, rows, put=put)
+    if type(tangents[0]) is ad.Zero:
+        return out, ad.Zero.from_primal_value(out)
+    return out, put_attaining_p.bind(tangents[0], columns, rows, put=put)
+
+
+def _put_attaining_transpose(ct, x, columns, rows, *, put):
+    if ad.is_undefined_primal(columns) or ad.is_undefined_primal(rows):
+        raise ValueError("put_attaining is linear in ct only")
+    if type(ct) is ad.Zero:
+        return [ad.Zero(x.aval), None, None]
+    return [take_attaining(ct, columns, rows, put=put).astype(x.aval.dtype), None, None]
+
+
+def _put_attaining_batch(args, dims, *, put):
+    """As :func:`_take_attaining_batch`: the batch joins the features."""
+    ct, columns, rows = args
+    ct_bd, columns_bd, rows_bd = dims
+    if rows_bd is not None:
+        return map_over_batch(functools.partial(put_attaining, put=put), args, dims), 0
+    size = ct.shape[ct_bd] if ct_bd is not None else columns.shape[columns_bd]
+    out = put_attaining(_fold(ct, ct_bd, size), _fold(columns, columns_bd, size), rows, put=put)
+    return out.reshape(out.shape[0], size, -1), 1
+
+
+def _fold(v: jax.Array, bd: int | None, size: int) -> jax.Array:
+    """``(k, F)`` batched at ``bd`` (``None``: shared) -> ``(k, size * F)``."""
+    if bd is None:
+        v = jnp.broadcast_to(v[:, None], (v.shape[0], size, v.shape[1]))
+    else:
+        v = jnp.moveaxis(v, bd, 1)
+    return v.reshape(v.shape[0], -1)
+
+
+def _put_attaining(ct, columns, rows, *, put):
+    return put(ct, columns, rows)
+
+
+def_jitted_impl(put_attaining_p)
+ad.primitive_jvps[put_attaining_p] = _put_attaining_jvp
+ad.primitive_transposes[put_attaining_p] = _put_attaining_transpose
+batching.primitive_batchers[put_attaining_p] = _put_attaining_batch
+mlir.register_lowering(put_attaining_p, mlir.lower_fun(_put_attaining, multiple_results=False))

@@ -109,12 +109,17 @@ def check_numeric_dtype(dtype, name: str, *, floating: bool = False) -> None:
 
 def as_numeric(value: Any, name: str, *, floating: bool = False) -> jax.Array:
     """``value`` as a JAX array (may be traced), after :func:`check_numeric_dtype` (which
-    reads the dtype without converting first)."""
-    dtype = getattr(value, "dtype", None)
-    if dtype is None:  # lists, scalars
-        value = np.asarray(value)
-        dtype = value.dtype
-    check_numeric_dtype(dtype, name, floating=floating)
+    reads the dtype without converting a JAX or numpy array first). Anything else that
+    numpy cannot make a numeric array of (a ragged list, a sparse matrix) raises a
+    ``TypeError`` naming ``name``."""
+    if not isinstance(value, jax.Array | np.ndarray | np.generic):  # tracers are jax.Arrays
+        try:
+            value = np.asarray(value)
+        except (TypeError, ValueError) as err:
+            raise TypeError(
+                f"{name} must be an array of numbers, got {type(value).__name__} ({err})"
+            ) from err
+    check_numeric_dtype(value.dtype, name, floating=floating)
     return jnp.asarray(value)
 
 
@@ -129,7 +134,9 @@ def as_host_int_array(value: Any, name: str, advice: str = STATIC_IDS_ADVICE) ->
     try:
         arr = np.asarray(value)
     except Exception as err:  # ragged lists and other non-arrays
-        raise TypeError(f"{name} must be an array of integers, got {type(value)!r}") from err
+        raise TypeError(
+            f"{name} must be an array of integers, got {type(value).__name__} ({err})"
+        ) from err
     if arr.size == 0 and arr.dtype == np.float64 and not isinstance(value, np.ndarray):
         arr = arr.astype(np.int32)
     if arr.dtype == object:

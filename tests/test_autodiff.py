@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -184,3 +186,39 @@ def test_mean_backward_gathers_in_the_operand_dtype(rng, impl):
     if impl is None and jax.default_backend() == "cpu":
         hlo = jax.jit(backward).lower(v, ct).as_text()
         assert "jaxcsr_cpu_gather" in hlo and "150x8xf32" not in hlo, hlo[-3000:]
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+@pytest.mark.parametrize("kind", KINDS)
+def test_second_order_through_max_and_min(rng, kind, reduce):
+    """Hessians (forward over reverse, reverse over reverse) of max/min products on
+    every path, the native kernels' arg search and gradient put included, against the
+    same function on dense float32 jax.ops-style reductions."""
+    import jaxcsr
+
+    A = _matrix(rng, kind)
+    dense = dense_of(A)
+    x0 = jnp.asarray(random_values(rng, (A.shape[1],)), jnp.float32)
+    scale = jnp.asarray(random_values(rng, (1, 3)), jnp.float32)
+    mask = jnp.asarray(dense != 0)
+    weights = jnp.asarray(np.where(dense != 0, dense, 0), jnp.float32)
+    pick = jnp.max if reduce == "max" else jnp.min
+    fill = -jnp.inf if reduce == "max" else jnp.inf
+
+    def features(x):
+        return x[:, None] * scale + jnp.sin(x)[:, None]
+
+    def ours(x, impl):
+        return jnp.sum(jaxcsr.matmul(A, features(x), reduce=reduce, impl=impl) ** 3)
+
+    def reference(x):
+        terms = weights[:, :, None] * features(x)[None]
+        out = pick(jnp.where(mask[:, :, None], terms, fill), axis=1)
+        return jnp.sum(jnp.where(mask.any(1)[:, None], out, 0.0) ** 3)
+
+    expected = jax.hessian(reference)(x0)
+    for impl in (None, "xla"):
+        for order in (jax.hessian, lambda f: jax.jacrev(jax.grad(f))):
+            got = order(functools.partial(ours, impl=impl))(x0)
+            scale_ = float(jnp.abs(expected).max()) + 1.0
+            np.testing.assert_allclose(np.asarray(got), np.asarray(expected), atol=1e-4 * scale_)

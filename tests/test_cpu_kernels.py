@@ -283,6 +283,9 @@ def test_push_too_wide_for_8_mib_runs_two_pieces(rng, dtype):
     ids = power_law_ids(rng, k, m)
     x = random_values(rng, (k, f)).astype(dtype)
     A = CSRMatrix.from_indices(ids, m)
+    itemsize = np.dtype(dtype).itemsize
+    assert cpu.push_pieces(m, k, f, itemsize) == 2  # the pieces fix each row's order
+    assert cpu.choose(A.structure, f, itemsize).pieces == 2
     for reduce in ("sum", "max"):
         every = jax.jit(lambda B, x, r=reduce: jaxcsr.matmul(B, x, reduce=r, impl="cpu"))
         with cpu.threads(1):
@@ -345,6 +348,10 @@ def test_sixteen_bit_push_with_few_ids_per_row_runs_two_pieces(rng, dtype):
     rng.shuffle(ids)
     A = CSRMatrix.from_indices(ids, m)
     assert 2 * m <= k < 4 * m
+    for f in (16, 64):  # the pieces fix each row's order: pinned, with float32's one
+        assert cpu.push_pieces(m, k, f, 2) == 2 and cpu.push_pieces(m, k, f, 4) == 1
+        assert cpu.choose(A.structure, f, 2).pieces == 2
+        assert cpu.choose(A.structure, f, 4).pieces == 1
     _push_threads_agree(rng, A, dtype, (16, 64))
 
 

@@ -420,3 +420,21 @@ def test_segment_order_checks_its_ids():
         jaxcsr.segment_order(np.array([0.5]))
     with pytest.raises(TypeError, match="segment_order runs on the host"):
         jax.jit(jaxcsr.segment_order)(jnp.array([0, 1]))
+
+
+def test_matrices_and_ragged_lists_are_named_where_arrays_belong():
+    A = CSRMatrix.from_indices(np.array([0, 1, 1]), num_rows=2)
+    with pytest.raises(TypeError, match=r"a CSRMatrix is not a dense array: use \.todense\(\)"):
+        np.asarray(A)
+    with pytest.raises(TypeError, match="data must be an array of numbers, got CSRMatrix"):
+        jaxcsr.segment_sum(A, np.array([0, 1]), 2)
+    with pytest.raises(TypeError, match="segment_ids must be an array of integers, got CSRMatrix"):
+        jaxcsr.segment_sum(jnp.ones(2), A, 2)
+    with pytest.raises(TypeError, match="segment_ids must be an array of integers, got list"):
+        jaxcsr.segment_sum(jnp.ones(3), [[0, 1], [0]], 2)
+    with pytest.raises(TypeError, match="segment_ids must be an array of integers, got list"):
+        jaxcsr.segment_prod(jnp.ones(3), [[0, 1], [0]], 2)
+    with pytest.raises(TypeError, match="data must be an array of numbers, got list"):
+        jaxcsr.segment_max([[1.0, 2.0], [3.0]], np.array([0, 1]), 2)
+    with pytest.raises(ValueError, match=r"to_scipy\(\) copies it to the host.*outside jax.jit"):
+        jax.jit(lambda A: A.to_scipy())(A)

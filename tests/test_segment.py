@@ -13,6 +13,7 @@ from reference import (
     power_law_ids,
     random_values,
     segment_reference,
+    softmax_reference,
 )
 
 import jaxcsr
@@ -292,3 +293,148 @@ def test_dropped_ids_are_checked_once_per_call(rng, monkeypatch):
     keep = (ids >= 0) & (ids < 37)
     want = segment_reference(x[keep], ids[keep], 37, "sum")
     np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.uint8, np.uint16, np.uint32, np.int8, np.int32])
+def test_integer_max_min_fill_empty_segments_with_the_dtype_limits(rng, dtype):
+    """jax.ops' identity of every integer dtype, unsigned ones included (their maximum
+    does not fit a signed int of the same width)."""
+    info = np.iinfo(dtype)
+    ids = np.array([0, 2, 0, 2, 4])
+    values = rng.integers(max(info.min, -50), 100, 5).astype(dtype)
+    for reduce in ("max", "min"):
+        ours = getattr(jaxcsr, f"segment_{reduce}")(values, ids, 5)
+        ref = getattr(jax.ops, f"segment_{reduce}")(values, ids, 5)
+        assert ours.dtype == np.dtype(dtype)
+        np.testing.assert_array_equal(np.asarray(ours), np.asarray(ref))
+        assert np.asarray(ours)[1] == (info.max if reduce == "min" else info.min)
+
+
+def test_empty_must_be_a_value_of_the_dtype(rng):
+    values = jnp.asarray(rng.integers(-9, 10, 4), jnp.int8)
+    ids = np.array([0, 0, 2, 2])
+    out = jaxcsr.segment_max(values, ids, 3, empty=-7)
+    assert int(out[1]) == -7
+    for bad in (1000, -129, float("nan"), 0.5, float("inf")):
+        with pytest.raises(ValueError, match=r"empty = .* is not a value of the data's dtype int8"):
+            jaxcsr.segment_max(values, ids, 3, empty=bad)
+    with pytest.raises(TypeError, match="empty must be a number"):
+        jaxcsr.segment_min(values, ids, 3, empty="low")
+    floats = jnp.asarray(random_values(rng, (4,)), jnp.float32)
+    assert np.isnan(float(jaxcsr.segment_min(floats, ids, 3, empty=float("nan"))[1]))
+
+
+@pytest.mark.parametrize("fn", ["max", "min", "softmax", "log_softmax", "logsumexp", "sum"])
+def test_no_segments_with_traced_ids(rng, fn):
+    """num_segments=0: every id dropped; empty results (and zero gradients), as jax.ops."""
+    x = jnp.asarray(random_values(rng, (6, 2)), jnp.float32)
+    ids = jnp.asarray(rng.integers(0, 4, 6), jnp.int32)
+    f = getattr(jaxcsr, f"segment_{fn}")
+    for impl in (None, "xla"):
+
+        def finite_sum(x, ids, impl=impl):
+            out = f(x, ids, 0, impl=impl)
+            return jnp.sum(jnp.where(jnp.isfinite(out), out, 0.0)), out
+
+        (_, out), g = jax.jit(jax.value_and_grad(finite_sum, has_aux=True))(x, ids)
+        if fn in ("softmax", "log_softmax"):
+            assert out.shape == (6, 2)
+            assert np.all(np.asarray(out) == (0.0 if fn == "softmax" else -np.inf))
+        else:
+            assert out.shape == (0, 2)
+        np.testing.assert_array_equal(np.asarray(g), 0.0)
+    if fn in ("max", "min"):
+        top, arg = jax.jit(lambda x, ids: f(x, ids, 0, return_arg=True))(x, ids)
+        assert top.shape == arg.shape == (0, 2)
+
+
+def test_gather_scatter_modes_are_accepted(rng):
+    """jax.lax.GatherScatterMode members, as jax.ops accepts them."""
+    ids = np.array([0, 5, 1, -1, 2])
+    v = random_values(rng, (5, 2)).astype(np.float32)
+    modes = jax.lax.GatherScatterMode
+    for fn in (jaxcsr.segment_sum, jaxcsr.segment_prod, jaxcsr.segment_max):
+        ref_fn = getattr(jax.ops, fn.__name__)
+        for mode in (modes.CLIP, modes.FILL_OR_DROP, modes.PROMISE_IN_BOUNDS):
+            if mode == modes.PROMISE_IN_BOUNDS:
+                ids_in = np.array([0, 2, 1, 1, 2])
+                expected = ref_fn(v, ids_in, 3)
+                out = fn(v, ids_in, 3, mode=mode)
+            else:
+                expected, out = ref_fn(v, ids, 3, mode=mode), fn(v, ids, 3, mode=mode)
+            assert_close(out, expected, np.float32)
+    with pytest.raises(ValueError, match="ONE_HOT has no segment reduction"):
+        jaxcsr.segment_sum(v, ids, 3, mode=modes.ONE_HOT)
+
+
+def test_int64_ids_past_int32_are_dropped_everywhere(rng):
+    """One rule for concrete int64 ids (no x64): an id >= 2**31 is out of range and
+    dropped by every function, never wrapped into a valid segment."""
+    ids = np.array([0, 2**32 + 1, 1, 2**31, 2**31 - 1, -(2**32) + 1], np.int64)
+    x = jnp.asarray(random_values(rng, (6,)), jnp.float32)
+    keep = np.array([True, False, True, False, False, False])
+    k_ids, k_x = ids[keep], np.asarray(x)[keep]
+    for name in ("sum", "mean", "max", "min"):
+        out = getattr(jaxcsr, f"segment_{name}")(
+            x, ids, 2, **({"empty": 0} if name in ("max", "min") else {})
+        )
+        assert_close(out, segment_reference(k_x, k_ids, 2, name), np.float32)
+    prod = np.ones(2)
+    np.multiply.at(prod, k_ids, k_x.astype(np.float64))
+    assert_close(jaxcsr.segment_prod(x, ids, 2), prod, np.float32)
+    lse = jaxcsr.segment_logsumexp(x, ids, 2)
+    assert_close(lse, np.log(np.exp(k_x.astype(np.float64))), np.float32)
+    soft = jaxcsr.segment_softmax(x, ids, 2)
+    assert_close(soft, np.where(keep, 1.0, 0.0), np.float32)
+
+
+@pytest.mark.parametrize("fn", ["softmax", "log_softmax", "logsumexp"])
+def test_softmax_family_drops_concrete_out_of_range_ids(rng, fn):
+    """Concrete ids, negative and >= num_segments among them: probability 0 (log:
+    -inf) for the dropped entries, the float64 reference for the rest."""
+    m = 6
+    ids = rng.integers(-2, m + 2, 80)
+    ids[:3] = (-1, m, 0)
+    x = jnp.asarray(random_values(rng, (80, 3)), jnp.float32)
+    keep = (ids >= 0) & (ids < m)
+    p = softmax_reference(x, ids, m)
+    out = np.asarray(getattr(jaxcsr, f"segment_{fn}")(x, ids, m))
+    if fn == "softmax":
+        assert_close(out, p, np.float32)
+    elif fn == "log_softmax":
+        assert np.all(np.isneginf(out[~keep]))
+        assert_close(out[keep], np.log(p[keep]), np.float32)
+    else:
+        total = np.zeros((m, 3))
+        np.add.at(total, ids[keep], np.exp(np.asarray(x, np.float64)[keep]))
+        counts = np.bincount(ids[keep], minlength=m)[:, None]
+        assert_close(
+            out, np.where(counts > 0, np.log(np.where(counts > 0, total, 1)), 0), np.float32
+        )
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
+@pytest.mark.parametrize("impl", [None, "xla"])
+def test_signed_zeros_order_as_in_jax_ops(rng, impl, dtype):
+    """-0.0 orders below +0.0 in max and min, as XLA's (jax.ops) max and min, in every
+    lane of the native kernels (F = 1 and 37: the eight-lane loops and their tails)."""
+    for f in (1, 37):
+        ids = rng.integers(0, 5, 60)
+        signs = rng.random((60, f)) < 0.5
+        x = jnp.asarray(np.where(signs, -0.0, 0.0), dtype)
+        for name in ("max", "min"):
+            ours = getattr(jaxcsr, f"segment_{name}")(x, ids, 6, impl=impl)
+            ref = getattr(jax.ops, f"segment_{name}")(x, ids, 6)
+            np.testing.assert_array_equal(
+                np.signbit(np.asarray(ours, np.float32)), np.signbit(np.asarray(ref, np.float32))
+            )
+
+
+def test_documented_differences_from_jax_ops():
+    """docs/migration.md's "What still differs": integer means wrap where their int32
+    sum does."""
+    big = jnp.full((3,), 2**30, jnp.int32)
+    wrapped = jax.ops.segment_sum(big, np.zeros(3, int), 1) // 3
+    np.testing.assert_array_equal(jaxcsr.segment_mean(big, np.zeros(3, int), 1), wrapped)
+    small = jnp.asarray([100, 101, 7], jnp.int8)  # int8 sums in int32: no wrap
+    assert jaxcsr.segment_mean(small, np.array([0, 0, 1]), 2).tolist() == [100, 7]

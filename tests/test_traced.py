@@ -24,6 +24,7 @@ from reference import (
     power_law_ids,
     random_values,
     segment_reference,
+    softmax_reference,
 )
 
 import jaxcsr
@@ -180,8 +181,122 @@ def test_out_of_range_ids_are_dropped_as_jax_ops_drops_them(rng):
 
 
 def _sorts(fn, *args) -> bool:
-    """Whether the compiled program runs a sort (an HLO ``sort`` instruction)."""
-    return " sort(" in fn.lower(*args).compile().as_text()
+    """Whether the compiled program's entry computation runs a sort (an HLO ``sort``
+    instruction outside the branches of a conditional)."""
+    text = fn.lower(*args).compile().as_text()
+    entry = text[text.index("ENTRY") :]
+    entry = entry[: entry.index("\n}")]
+    return " sort(" in entry or _sort_called_from(text, entry)
+
+
+def _sort_called_from(text: str, body: str) -> bool:
+    """Whether a computation ``body`` calls (other than as a conditional branch) runs a
+    sort: fusions and calls are followed, branch computations are not."""
+    import re
+
+    for name in re.findall(r"(?:calls|to_apply)=%?([\w.-]+)", body):
+        start = text.find(f"%{name} ")
+        if start < 0:
+            continue
+        called = text[start : text.index("\n}", start)]
+        if " sort(" in called or _sort_called_from(text, called):
+            return True
+    return False
+
+
+SORTED_CASES = {
+    "negatives first": lambda rng, m, size: np.sort(rng.integers(-3, m, size)),
+    "both ends": lambda rng, m, size: np.sort(rng.integers(-2, m + 2, size)),
+    "unsorted": lambda rng, m, size: rng.integers(-2, m + 2, size),
+    "sorted, dropped last": lambda rng, m, size: np.sort(rng.integers(0, m + 2, size)),
+}
+"""Traced ids given with ``indices_are_sorted=True``: what jax.ops' flag allows (dropped
+ids at either end: ``-1`` padding sorts first), a broken promise, and the case the
+sort-free plan serves."""
+
+
+@pytest.mark.parametrize("case", list(SORTED_CASES))
+@pytest.mark.parametrize("reduce", list(SEGMENT_FUNCTIONS))
+def test_sorted_flag_with_dropped_ids_at_either_end(rng, case, reduce):
+    """jax.ops' promise (sorted, dropped ids anywhere) gives the reference; a broken one
+    too (jax.ops is right on CPU): the plan without the sort runs only where it holds."""
+    m, size = 13, 200
+    ids = SORTED_CASES[case](rng, m, size).astype(np.int32)
+    x = jnp.asarray(random_values(rng, (size, 3)), jnp.float32)
+    keep = (ids >= 0) & (ids < m)
+    fn = SEGMENT_FUNCTIONS[reduce]
+
+    def loss(x, ids):
+        out = fn(x, ids, m, indices_are_sorted=True)
+        return jnp.sum(out * jnp.cos(out)), out
+
+    (_, out), grad = jax.jit(jax.value_and_grad(loss, has_aux=True))(x, ids)
+    expected = segment_reference(np.asarray(x)[keep], ids[keep], m, reduce)
+    assert_close(out, expected, np.float32)
+    # the gradient through the device's choice of plan: the same as with no promise
+    unsorted = jax.jit(jax.grad(lambda x, ids: jnp.sum(jnp.cos(fn(x, ids, m)) * fn(x, ids, m))))
+    assert_close(grad, unsorted(x, ids), np.float32)
+
+
+@pytest.mark.parametrize("case", list(SORTED_CASES))
+def test_sorted_flag_in_the_softmax_family(rng, case):
+    m, size = 9, 120
+    ids = SORTED_CASES[case](rng, m, size).astype(np.int32)
+    x = jnp.asarray(random_values(rng, (size, 2)), jnp.float32)
+    p = softmax_reference(x, ids, m)
+
+    def family(x, ids):
+        kw = {"indices_are_sorted": True}
+        return (
+            jaxcsr.segment_softmax(x, ids, m, **kw),
+            jaxcsr.segment_log_softmax(x, ids, m, **kw),
+            jaxcsr.segment_logsumexp(x, ids, m, **kw),
+        )
+
+    soft, log_soft, lse = jax.jit(family)(x, ids)
+    keep = (ids >= 0) & (ids < m)
+    assert_close(soft, p, np.float32)
+    assert np.all(np.isneginf(np.asarray(log_soft)[~keep]))
+    assert_close(np.asarray(log_soft)[keep], np.log(p[keep]), np.float32)
+    total = np.zeros((m, 2))
+    np.add.at(total, ids[keep], np.exp(np.asarray(x, np.float64)[keep]))
+    counts = np.bincount(ids[keep], minlength=m)[:, None]
+    assert_close(lse, np.where(counts > 0, np.log(np.where(counts > 0, total, 1)), 0), np.float32)
+
+
+def test_sorted_flag_reaches_the_plan(rng):
+    """Sorted traced ids run the plan without the sort: on CPU the pull in the
+    program (unsorted traced ids push), and the sort only in the fallback branch."""
+    from jaxcsr.kernels import cpu
+
+    m, size = 30, 500
+    ids = np.sort(rng.integers(0, m, size)).astype(np.int32)
+    x = jnp.asarray(random_values(rng, (size, 8)), jnp.float32)
+
+    def run(sorted_ids):
+        return jax.jit(lambda x, ids: jaxcsr.segment_sum(x, ids, m, indices_are_sorted=sorted_ids))
+
+    assert_close(run(True)(x, ids), segment_reference(np.asarray(x), ids, m), np.float32)
+    assert not _sorts(run(True), x, ids)
+    if cpu.available():
+        assert "jaxcsr_cpu_pull" in run(True).lower(x, ids).as_text()
+        assert "jaxcsr_cpu_pull" not in run(False).lower(x, ids).as_text()
+
+
+def test_wide_ids_are_dropped_not_wrapped_under_x64(rng):
+    """int64 ids past int32 are out of range: dropped before the plan narrows them to
+    int32 indices (the wrapped id 2**32 + 1 would land in segment 1)."""
+    with jax.enable_x64(True):
+        ids = jnp.array([0, 2**32 + 1, 1, 2**31, -(2**32) + 1], jnp.int64)
+        x = jnp.asarray([1.0, 2.0, 3.0, 4.0, 5.0])
+        for name in ("sum", "max", "logsumexp", "prod"):
+            fn = getattr(jaxcsr, f"segment_{name}")
+            for sorted_ids in (False, True):
+                run = jax.jit(functools.partial(fn, num_segments=2, indices_are_sorted=sorted_ids))
+                out = run(x, ids)
+                np.testing.assert_allclose(np.asarray(out), [1.0, 3.0], err_msg=name)
+        A = jax.jit(lambda r, c: CSRMatrix.from_coo(r, c, shape=(2, 5)) @ x)
+        np.testing.assert_allclose(np.asarray(A(ids, jnp.arange(5))), [1.0, 3.0])
 
 
 def test_sorted_promise_skips_the_sort_and_narrow_scatters_never_sort(rng):
