@@ -1,9 +1,9 @@
 """Measure this machine for jaxcsr's choices: ``python -m jaxcsr.calibrate``.
 
 Measures the bandwidths and the call floor (about half a second), stores the profile in
-:func:`jaxcsr.machine.cache_file` for every later process, and prints it. ``--show``
-prints the profile in use without measuring (``JAXCSR_CALIBRATE=0`` and no stored file:
-the defaults).
+``jaxcsr.machine.cache_file()`` for every later process, and prints it. ``--show``
+prints the profile in use, the file it was read from, when and under what load it was
+measured, and stores nothing.
 """
 
 from __future__ import annotations
@@ -15,19 +15,48 @@ from jaxcsr import machine
 
 
 def main(argv: list[str] | None = None) -> machine.MachineProfile:
-    parser = argparse.ArgumentParser(prog="python -m jaxcsr.calibrate", description=__doc__)
-    parser.add_argument("--show", action="store_true", help="print the profile in use only")
+    parser = argparse.ArgumentParser(
+        prog="python -m jaxcsr.calibrate",
+        description="Measure this machine for jaxcsr's choices and store the profile.",
+    )
+    parser.add_argument(
+        "--show",
+        action="store_true",
+        help="print the profile in use and where it comes from; measure and store nothing",
+    )
     args = parser.parse_args(argv)
+    if args.show:
+        return _show()
     import jax.numpy as jnp
 
     jnp.zeros(1).block_until_ready()  # jax started: what follows is the measurement
     start = time.perf_counter()
-    found = machine.profile() if args.show else machine.calibrate(store=True)
-    if not args.show:
-        print(f"measured in {time.perf_counter() - start:.2f} s")
+    found = machine.calibrate(store=True)
+    print(f"measured in {time.perf_counter() - start:.2f} s")
     print(found.summary())
-    print(f"stored in {machine.cache_file()}" if found.source != "defaults" else "not stored")
+    print(f"stored in {machine.cache_file()}")
     return found
+
+
+def _show() -> machine.MachineProfile:
+    """The profile a product would read now, and where it comes from (nothing stored)."""
+    path = machine.cache_file()
+    found = machine.stored(path)
+    if found is not None:
+        print(found.profile.summary())
+        print(found.describe())
+        why = found.stale()
+        if why is not None:
+            print(f"stale ({why}): the next process that needs it measures again")
+        print("(--show stores nothing)")
+        return found.profile
+    print(machine.DEFAULT.summary())
+    exists = "holds no valid profile" if path.exists() else "does not exist"
+    print(
+        f"{path} {exists}: these are the defaults; the first product that needs the "
+        "profile measures this machine (unless JAXCSR_CALIBRATE=0)\n(--show stores nothing)"
+    )
+    return machine.DEFAULT
 
 
 if __name__ == "__main__":

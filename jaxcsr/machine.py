@@ -3,8 +3,14 @@
 Cache sizes and the core count come from the OS (Linux ``/sys``; ``os.sysconf``
 elsewhere). Memory bandwidths (read, copy, write into fresh pages) and the floor of one
 jitted call are measured once per machine, in about half a second, and stored in a JSON file
-(:func:`cache_file`); later processes read the file. ``python -m jaxcsr.calibrate``
-measures again and prints the profile.
+(:func:`cache_file`) with when it was measured and the machine's load then; later
+processes read the file. A stored profile is measured again when it fails validation
+(a damaged or hand-edited file: every field is checked against plausible bounds), when
+it is older than :data:`MAX_AGE_DAYS`, or when it was measured while the machine was
+busy (a 1-minute load average above half its cores: bandwidths shared with other work)
+and the machine is quiet now. ``python -m jaxcsr.calibrate`` measures again and prints
+the profile; ``--show`` prints the one in use and the file it came from, storing
+nothing.
 
 Environment:
 
@@ -38,14 +44,32 @@ import numpy as np
 
 __all__ = [
     "DEFAULT",
+    "MAX_AGE_DAYS",
     "MachineProfile",
+    "StoredProfile",
     "cache_file",
     "calibrate",
     "profile",
+    "stored",
     "use",
 ]
 
 _MiB = 1 << 20
+
+MAX_AGE_DAYS = 30
+"""A stored profile older than this is measured again (the machine may have changed
+under the same name: a resized VM, a new kernel, other tenants)."""
+
+_INT_BOUNDS = {"cores": (1, 1 << 16), "l2_bytes": (0, 1 << 32), "l3_bytes": (0, 1 << 40)}
+"""Plausible ranges of the counted fields (beyond them a file is damaged, not a machine)."""
+
+_FLOAT_BOUNDS = {
+    "read_gbs": 1e4,
+    "copy_gbs": 1e4,
+    "write_gbs": 1e4,
+    "call_floor_us": 1e7,
+}
+"""Upper bounds of the measured fields; each is NaN (not measured) or in ``(0, bound]``."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,14 +101,25 @@ class MachineProfile:
     source: str = "given"
 
     def __post_init__(self):
-        for name in ("cores", "l2_bytes", "l3_bytes"):
+        if not isinstance(self.cpu, str):
+            raise ValueError(f"MachineProfile: cpu must be a string, got {self.cpu!r}")
+        for name, (low, high) in _INT_BOUNDS.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 0:
                 raise ValueError(
                     f"MachineProfile: {name} must be a non-negative int, got {value!r}"
                 )
-        if self.cores < 1:
-            raise ValueError(f"MachineProfile: cores must be >= 1, got {self.cores}")
+            if not low <= value <= high:
+                raise ValueError(f"MachineProfile: {name} must lie in [{low}, {high}], got {value}")
+        for name, high in _FLOAT_BOUNDS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int | float):
+                raise ValueError(f"MachineProfile: {name} must be a number, got {value!r}")
+            if not (np.isnan(value) or 0 < value <= high):
+                raise ValueError(
+                    f"MachineProfile: {name} must be NaN (not measured) or in (0, {high:g}], "
+                    f"got {value!r}"
+                )
 
     @property
     def stream_bytes(self) -> int:
@@ -234,16 +269,76 @@ def _measure(reported: MachineProfile) -> MachineProfile:
     )
 
 
+def _load_average() -> float | None:
+    """The 1-minute load average (``None`` where the OS reports none)."""
+    try:
+        return float(os.getloadavg()[0])
+    except (AttributeError, OSError):
+        return None
+
+
+def _busy(load: float | None, cores: int) -> bool:
+    """Whether a load average means other work shares the cores (above half of them)."""
+    return load is not None and load > cores / 2
+
+
+@dataclasses.dataclass(frozen=True)
+class StoredProfile:
+    """A profile read from :func:`cache_file`, with when and under what load it was
+    measured.
+
+    Attributes:
+      profile: the profile (``source="file"``).
+      path: the file.
+      measured_at: when it was measured (UTC).
+      load: the 1-minute load average when it was measured (``None``: not reported).
+    """
+
+    profile: MachineProfile
+    path: Path
+    measured_at: datetime.datetime
+    load: float | None
+
+    @property
+    def age_days(self) -> float:
+        now = datetime.datetime.now(datetime.timezone.utc)
+        return (now - self.measured_at).total_seconds() / 86400
+
+    @property
+    def measured_busy(self) -> bool:
+        return _busy(self.load, self.profile.cores)
+
+    def stale(self) -> str | None:
+        """Why it should be measured again (``None``: it holds): too old, from the
+        future, or measured busy on a machine that is quiet now."""
+        if not 0 <= self.age_days <= MAX_AGE_DAYS:
+            return f"measured {self.measured_at:%Y-%m-%d}, more than {MAX_AGE_DAYS} days ago"
+        if self.measured_busy and not _busy(_load_average(), self.profile.cores):
+            return f"measured under load {self.load:.2f} on {self.profile.cores} cores"
+        return None
+
+    def describe(self) -> str:
+        load = "not reported" if self.load is None else f"{self.load:.2f}"
+        busy = " (busy: measured again when the machine is quiet)" if self.measured_busy else ""
+        return (
+            f"read from {self.path}, measured {self.measured_at:%Y-%m-%d %H:%M} UTC "
+            f"under a 1-minute load of {load}{busy}"
+        )
+
+
 def calibrate(store: bool = True) -> MachineProfile:
     """Measures this machine (about a second) and, with ``store``, writes the profile
-    to :func:`cache_file` (replacing any there) and makes it the current one."""
+    to :func:`cache_file` (replacing any there), with the time and the load average,
+    and makes it the current one."""
     global _CURRENT
+    load = _load_average()
     measured = _measure(_reported())
     if store:
         path = cache_file(measured)  # measured from what the OS reported: the same name
         fields = dataclasses.asdict(measured)
         fields.pop("source")
-        record = {"profile": fields, "date": datetime.date.today().isoformat()}
+        now = datetime.datetime.now(datetime.timezone.utc)
+        record = {"profile": fields, "measured_at": now.isoformat(), "load": load}
         try:
             path.parent.mkdir(parents=True, exist_ok=True)
             with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
@@ -257,12 +352,25 @@ def calibrate(store: bool = True) -> MachineProfile:
     return measured
 
 
-def _load(path: Path) -> MachineProfile | None:
+def stored(path: Path | None = None) -> StoredProfile | None:
+    """The profile stored at ``path`` (default: :func:`cache_file`), or ``None`` where
+    there is none, or none that validates (damaged, hand-edited, from another version:
+    measured again, never trusted)."""
+    path = cache_file() if path is None else path
     try:
-        fields = json.loads(path.read_text())["profile"]
-        return MachineProfile(**fields, source="file")
-    except (OSError, ValueError, KeyError, TypeError):
-        return None  # missing or from another version: measure again
+        record = json.loads(path.read_text())
+        profile = MachineProfile(**record["profile"], source="file")
+        measured_at = datetime.datetime.fromisoformat(record["measured_at"])
+        if measured_at.tzinfo is None:
+            raise ValueError("measured_at without a time zone")
+        load = record["load"]
+        if load is not None and (isinstance(load, bool) or not isinstance(load, int | float)):
+            raise ValueError(f"load must be a number or null, got {load!r}")
+        if load is not None and not 0 <= load < 1e6:
+            raise ValueError(f"load out of range: {load!r}")
+        return StoredProfile(profile, path, measured_at, None if load is None else float(load))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
+        return None
 
 
 def _calibration_on() -> bool:
@@ -276,15 +384,15 @@ def _calibration_on() -> bool:
 
 def profile() -> MachineProfile:
     """The profile choices read: one given with :func:`use`, else this process's (the
-    stored file, else a measurement stored for the next process, else :data:`DEFAULT`
-    with calibration off), found once per process."""
+    stored file where it validates and is not stale, else a measurement stored for the
+    next process, else :data:`DEFAULT` with calibration off), found once per process."""
     global _CURRENT
     if _OVERRIDE:
         return _OVERRIDE[-1]
     if _CURRENT is None:
-        stored = _load(cache_file())
-        if stored is not None:
-            _CURRENT = stored
+        found = stored()
+        if found is not None and (found.stale() is None or not _calibration_on()):
+            _CURRENT = found.profile
         elif _calibration_on():
             _CURRENT = calibrate(store=True)
         else:

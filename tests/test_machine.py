@@ -8,6 +8,7 @@ path by dtype and reduction, as the H200 table measured.
 
 from __future__ import annotations
 
+import datetime
 import json
 import os
 import subprocess
@@ -213,3 +214,129 @@ def test_gpu_rule_follows_the_h200_table(rng):
     assert gpu.default_for(sorted_ids, f32, "sum")
     assert gpu.default_for(general, f32, "sum")
     assert tpu.default_for(unsorted, f32, "sum")  # the TPU's rule reads the layout only
+
+
+def test_profiles_reject_implausible_numbers():
+    """Every field is bounded: a damaged or hand-edited file fails validation (and is
+    measured again), never reaches a choice."""
+    good = {"cpu": "x", "cores": 2, "l2_bytes": MiB, "l3_bytes": 32 * MiB}
+    bad = [
+        {"l3_bytes": -1},
+        {"l3_bytes": 2**70},  # parses, but would overflow int64 in the gather's choice
+        {"l2_bytes": 2**40},
+        {"cores": 10**9},
+        {"read_gbs": -5.0},
+        {"copy_gbs": 0.0},
+        {"write_gbs": float("inf")},
+        {"call_floor_us": 1e12},
+        {"read_gbs": "12.5"},
+        {"read_gbs": None},
+        {"cores": True},
+        {"cpu": None},
+    ]
+    for change in bad:
+        with pytest.raises(ValueError, match=f"MachineProfile: {next(iter(change))}"):
+            machine.MachineProfile(**{**good, **change})
+    assert np.isnan(machine.MachineProfile(**good).read_gbs)  # not measured: allowed
+
+
+def _record(fields, measured_at=None, load=0.1):
+    now = datetime.datetime.now(datetime.timezone.utc)
+    return {
+        "profile": fields,
+        "measured_at": (measured_at or now).isoformat(),
+        "load": load,
+    }
+
+
+PLAUSIBLE = {
+    "cpu": "synthetic",
+    "cores": 2,
+    "l2_bytes": MiB,
+    "l3_bytes": 32 * MiB,
+    "read_gbs": 10.0,
+    "copy_gbs": 12.0,
+    "write_gbs": 5.0,
+    "call_floor_us": 9.0,
+}
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        json.dumps(_record({**PLAUSIBLE, "l3_bytes": 2**70})),
+        json.dumps(_record({**PLAUSIBLE, "read_gbs": "fast"})),
+        json.dumps(_record({**PLAUSIBLE, "read_gbs": None})),
+        json.dumps(_record({**PLAUSIBLE, "l3_bytes": -4})),
+        json.dumps(_record({**PLAUSIBLE, "call_floor_us": -1.0})),
+        json.dumps(_record(PLAUSIBLE, load="high")),
+        json.dumps({"profile": PLAUSIBLE, "date": "2026-12-01"}),  # an older version's file
+        "[" * 100_000 + "]" * 100_000,  # nesting deep enough for a RecursionError
+        "{not json",
+    ],
+    ids=[
+        "l3-overflow",
+        "read-string",
+        "read-null",
+        "l3-negative",
+        "floor-negative",
+        "load-string",
+        "old-version",
+        "deep-nesting",
+        "not-json",
+    ],
+)
+def test_an_invalid_file_is_measured_again(fresh, content):
+    path = machine.cache_file()
+    path.write_text(content)
+    assert machine.stored(path) is None
+    found = machine.profile()
+    assert found.source == "measured"
+    assert machine.stored(path) is not None  # replaced by the measurement
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxcsr.calibrate", "--show"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert str(path) in run.stdout and "--show stores nothing" in run.stdout
+
+
+def test_a_stale_or_busy_profile_is_measured_again(fresh, monkeypatch):
+    path = machine.cache_file()
+    old = datetime.datetime.now(datetime.timezone.utc) - datetime.timedelta(days=90)
+    path.write_text(json.dumps(_record(PLAUSIBLE, measured_at=old)))
+    assert "more than 30 days ago" in machine.stored(path).stale()
+    assert machine.profile().source == "measured"
+
+    # measured with the cores busy: trusted while the machine stays busy, measured
+    # again once it is quiet
+    path.write_text(json.dumps(_record(PLAUSIBLE, load=5.0)))
+    monkeypatch.setattr(machine, "_load_average", lambda: 4.0)
+    machine._forget()
+    assert machine.profile().source == "file"
+    monkeypatch.setattr(machine, "_load_average", lambda: 0.2)
+    assert "under load 5.00" in machine.stored(path).stale()
+    machine._forget()
+    assert machine.profile().source == "measured"
+    record = json.loads(path.read_text())
+    assert record["load"] == 0.2 and record["measured_at"]
+
+
+def test_show_reads_without_storing(fresh):
+    path = machine.cache_file()
+    run = subprocess.run(
+        [sys.executable, "-m", "jaxcsr.calibrate", "--show"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert "does not exist" in run.stdout and "--show stores nothing" in run.stdout
+    assert not path.exists()
+
+
+def test_the_cache_file_names_every_reported_field():
+    """A process limited to fewer cores (taskset), or a machine differing in any cache
+    size or model, reads its own file, never another's."""
+    base = machine.MachineProfile("model A", cores=4, l2_bytes=MiB, l3_bytes=32 * MiB)
+    changes = {"cpu": "model B", "cores": 2, "l2_bytes": 2 * MiB, "l3_bytes": 16 * MiB}
+    names = {machine.cache_file(base).name}
+    for field, value in changes.items():
+        names.add(machine.cache_file(machine.dataclasses.replace(base, **{field: value})).name)
+    assert len(names) == 1 + len(changes)
