@@ -7,7 +7,8 @@
 # and BENCH_S seconds (the benchmark stops starting groups at BENCH_S - 60); FEATURES,
 # DTYPES for the embedded graphs; LARGE: .npz paths of large graphs (twitter_ego from
 # ../shared/data, copied into an ignored folder that the call carries), run after
-# them at LARGE_FEATURES (128) in float32 within LARGE_S seconds.
+# them at LARGE_FEATURES (128) in float32 within LARGE_S seconds. TEST_FILES and TEST_K
+# choose the compiled tests (default: the three kernel files, -k tpu).
 set -u
 OUT=${OUT:-benchmarks/results/tpu-latest}
 mkdir -p "$OUT"
@@ -16,9 +17,10 @@ PY=${PY:-python3}
 "$PY" -c "import jax, sys; print('python', sys.version.split()[0], 'jax', jax.__version__, jax.devices())" \
   2>&1 | tee "$OUT/env.txt"
 # one process holds the chip: no pytest -n
+# shellcheck disable=SC2086  # TEST_FILES is a list of paths
 timeout "${TEST_S:-170}" "$PY" -m pytest -q -p no:cacheprovider --maxfail=20 \
-  tests/test_kernels_tpu.py tests/test_reductions.py tests/test_traced.py -k tpu 2>&1 \
-  | tee "$OUT/tests.txt"
+  ${TEST_FILES:-tests/test_kernels_tpu.py tests/test_reductions.py tests/test_traced.py} \
+  -k "${TEST_K:-tpu}" 2>&1 | tee "$OUT/tests.txt"
 tests_rc=${PIPESTATUS[0]}
 BENCH_S=${BENCH_S:-300}
 timeout "$BENCH_S" "$PY" -m benchmarks.hardware.on_tpu --out "$OUT" \
