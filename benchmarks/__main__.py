@@ -65,13 +65,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--workloads",
         type=_csv(str),
         default=",".join(WORKLOADS),
-        help="comma-separated subset of " + ",".join(WORKLOADS),
+        help="comma-separated subset of the default",
     )
     p.add_argument(
         "--peers",
         type=_csv(str),
         default=",".join(PEERS),
-        help="comma-separated subset of " + ",".join(PEERS),
+        help="comma-separated subset of the default (peers not installed are skipped)",
     )
     p.add_argument(
         "--repeats",
@@ -101,7 +101,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "remaining runs are skipped and the cell reports it as timed out",
     )
     p.add_argument(
-        "--out", type=Path, default=None, help="output folder (default results/latest, quick/)"
+        "--out",
+        type=Path,
+        default=argparse.SUPPRESS,
+        help="output folder (default benchmarks/results/latest; quick/ with --quick)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument(
@@ -119,7 +122,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.quick:
         args.graphs, args.features, args.dtypes = ("cora",), (8,), ("float32",)
         args.budget = min(args.budget, 30.0)
-    if args.out is None:  # a smoke run never overwrites the last full run's folder
+    if "out" not in vars(args):  # a smoke run never overwrites the last full run's folder
         args.out = QUICK_OUT if args.quick else DEFAULT_OUT
     if "repeats" not in vars(args):
         args.repeats = 5 if args.quick else 3
@@ -253,6 +256,7 @@ def run_case(
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
+    started = time.perf_counter()
     args = parse_args(argv)
     import numpy as np
 
@@ -340,6 +344,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     del case
                     gc.collect()
     print(f"all cells in {_clock(time.perf_counter() - start)}", file=sys.stderr)
+    cost = _run_cost(started)
+    if cost["peak_rss_kib"] is not None:
+        print(f"peak resident memory {cost['peak_rss_kib'] / 2**20:.1f} GiB", file=sys.stderr)
     shown = ["jaxcsr", *[p for p in PEERS if any(p in r["systems"] for r in rows)]]
     result = {
         "date": datetime.date.today().isoformat(),
@@ -349,6 +356,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "machine_profile": dataclasses.asdict(machine.profile()),
         "bandwidth": bw,
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+        "run": cost,
         "rows": rows,
     }
     if args.quick:
@@ -362,6 +370,20 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     paths = report.write_outputs(result, args.out, shown)
     print("wrote " + ", ".join(str(p) for p in paths), file=sys.stderr)
     return result
+
+
+def _run_cost(started: float) -> dict[str, Any]:
+    """The run's wall time from ``main``'s start (install and imports excluded) and the
+    process's peak resident memory (Linux ``ru_maxrss``; ``None`` elsewhere)."""
+    peak_kib = None
+    try:
+        import resource
+
+        if sys.platform == "linux":
+            peak_kib = int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+    except ImportError:
+        pass
+    return {"wall_s": round(time.perf_counter() - started, 1), "peak_rss_kib": peak_kib}
 
 
 HUGEPAGE_TUNABLE = "glibc.malloc.hugetlb=1"

@@ -153,6 +153,39 @@ def command_line(module: str, argv: list[str] | None) -> str:
     return f"python -m {module} " + shlex.join(sys.argv[1:] if argv is None else argv)
 
 
+def provenance(module: str, argv: list[str] | None) -> dict[str, Any]:
+    """What a results file needs to be rerun: the command, the date, jax's version and
+    the commit of the checkout (with ``+dirty`` for uncommitted changes; ``None``
+    outside a git checkout)."""
+    import datetime
+    import subprocess
+
+    import jax
+
+    root = Path(__file__).resolve().parent.parent
+    try:
+        commit = (
+            subprocess.run(
+                ["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True
+            ).stdout.strip()
+            or None
+        )
+        dirty = subprocess.run(
+            ["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True, text=True,
+        ).stdout.strip()  # fmt: skip
+        if commit and dirty:
+            commit += "+dirty"
+    except OSError:
+        commit = None
+    return {
+        "command": command_line(module, argv),
+        "date": datetime.date.today().isoformat(),
+        "jax": jax.__version__,
+        "commit": commit,
+    }
+
+
 def write_study(out_dir: Path, stem: str, result: dict[str, Any], text: str) -> Path:
     """A study's ``<stem>.json`` (the result) and ``<stem>.md`` (``text``) in
     ``out_dir``; returns the markdown's path."""
@@ -226,6 +259,19 @@ def _speedup(row: dict[str, Any], system: str) -> float:
     return row["systems"][system]["median_s"] / row["systems"]["jaxcsr"]["median_s"]
 
 
+RATIO_TICKS = (0.1, 0.2, 0.5, 1, 2, 5, 10, 20, 50, 100)
+"""Labelled ratios on the plots' log axis (a plain log axis labels only powers of 10)."""
+
+
+def _label_ratio_ticks(ax, plt) -> None:
+    """Ticks at 0.5x, 1x, 2x, 5x, ... labelled as ratios, no unlabelled minor ticks."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter
+
+    ax.yaxis.set_major_locator(FixedLocator(RATIO_TICKS))
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}x"))
+    ax.yaxis.set_minor_locator(plt.NullLocator())
+
+
 def _plot(rows, systems, path: Path, plt) -> None:
     """Speed-up of jaxcsr over each peer vs N, one panel per (workload, pass), on a grid.
 
@@ -274,6 +320,7 @@ def _plot(rows, systems, path: Path, plt) -> None:
         ax.set_xticks(widths, [str(n) for n in widths])  # 16, 64, 256 -- not 2^4 ...
         ax.xaxis.set_minor_locator(plt.NullLocator())
         ax.set_yscale("log")
+        _label_ratio_ticks(ax, plt)
         ax.set_title(f"{workload} {pass_}", fontsize=10)
         ax.set_xlabel("N (features)")
         ax.grid(True, which="both", alpha=0.3)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import jax
@@ -37,7 +38,7 @@ import numpy as np
 import scipy.sparse as sp
 
 import jaxcsr
-from benchmarks import measure
+from benchmarks import measure, report
 from examples.gcn import Cora, adam_update, load_cora
 from jaxcsr import CSRMatrix
 
@@ -269,6 +270,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
         "--models", default="jaxcsr,jax_ops", help="comma-separated subset of " + ",".join(MODELS)
     )
     p.add_argument("--max-epochs", type=int, default=MAX_EPOCHS)
+    p.add_argument("--out", type=Path, default=None, help="folder for gat.json and gat.md")
     args = p.parse_args(argv)
     names = [m for m in args.models.split(",") if m]
     bad = sorted(set(names) - set(MODELS))
@@ -287,16 +289,22 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                 file=sys.stderr,
                 flush=True,
             )
-    print("| model | step time (median, ms) | traces | test accuracy (mean ± std) |")
-    print("|---|---|---|---|")
+    lines = [
+        "| model | step time (median, ms) | traces | test accuracy (mean ± std) |",
+        "|---|---|---|---|",
+    ]
     for name in names:
         rs = [r for r in runs if r["model"] == name]
         accs = np.array([r["test_accuracy"] for r in rs])
         steps = np.array([r["step_median_s"] for r in rs]) * 1e3
-        print(
+        lines.append(
             f"| {name} | {np.median(steps):.2f} | {max(r['traces'] for r in rs)} | "
             f"{100 * accs.mean():.1f} ± {100 * accs.std():.1f} (n={len(accs)}) |"
         )
+    print("\n".join(lines))
+    if args.out is not None:
+        record = {**report.provenance("examples.gat", argv), "runs": runs}
+        report.write_study(args.out, "gat", record, "\n".join(lines) + "\n")
     return runs
 
 

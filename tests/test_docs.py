@@ -87,3 +87,62 @@ def test_code_fences_pair_up():
         assert len(fences) % 2 == 0, page.name
         assert all(f != "```" for f in fences[0::2]), page.name  # openers name a language
         assert all(f == "```" for f in fences[1::2]), page.name
+
+
+def _markdown_pages() -> list[Path]:
+    """Every committed markdown page: the guides and the results folders' READMEs and
+    tables."""
+    skip = {".venv", ".git", "node_modules"}
+    return sorted(p for p in ROOT.rglob("*.md") if not skip & set(p.relative_to(ROOT).parts))
+
+
+def _anchors(page: Path) -> set[str]:
+    """GitHub's anchors of a page's headings: lower case, punctuation dropped, spaces
+    to hyphens."""
+    anchors = set()
+    for heading in re.findall(r"^#+\s+(.*)$", page.read_text(), re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.strip().lower().replace("`", ""))
+        anchors.add(slug.replace(" ", "-"))
+    return anchors
+
+
+def broken_links(page: Path) -> list[str]:
+    """Intra-repository links of ``page`` (``[text](target)``, not URLs) whose file or
+    heading anchor does not exist, and links left unclosed (``[text](target`` without
+    its parenthesis)."""
+    text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code is not prose
+    broken = [f"unclosed: {m}" for m in re.findall(r"\]\([^)\s]*\s*\n", text)]
+    broken += [f"unclosed: {m}" for m in re.findall(r"\[[^\]\n]*\(#[^)\n]*\)", text)]
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):  # https:, mailto:
+            continue
+        path, _, anchor = target.partition("#")
+        file = (page.parent / path).resolve() if path else page
+        if not file.exists():
+            broken.append(target)
+        elif anchor and file.suffix == ".md" and anchor not in _anchors(file):
+            broken.append(target)
+    return broken
+
+
+def test_intra_repository_links_resolve():
+    broken = {
+        p.relative_to(ROOT).as_posix(): b for p in _markdown_pages() if (b := broken_links(p))
+    }
+    assert not broken, broken
+
+
+def test_the_link_check_catches_what_it_looks_for(tmp_path):
+    page = tmp_path / "page.md"
+    (tmp_path / "other.md").write_text("# A heading, here\n")
+    page.write_text(
+        "[ok](other.md#a-heading-here) [gone](missing.md) [anchor](other.md#nope)\n"
+        "[web](https://example.com) [open](other.md\n"
+        "[Measured(#measured-runs) are\n"
+    )
+    assert broken_links(page) == [
+        "unclosed: ](other.md\n",
+        "unclosed: [Measured(#measured-runs)",
+        "missing.md",
+        "other.md#nope",
+    ]

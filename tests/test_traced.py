@@ -261,7 +261,14 @@ def test_sorted_flag_in_the_softmax_family(rng, case):
     total = np.zeros((m, 2))
     np.add.at(total, ids[keep], np.exp(np.asarray(x, np.float64)[keep]))
     counts = np.bincount(ids[keep], minlength=m)[:, None]
-    assert_close(lse, np.where(counts > 0, np.log(np.where(counts > 0, total, 1)), 0), np.float32)
+    expected = np.where(counts > 0, np.log(np.where(counts > 0, total, 1)), 0)
+    if jax.default_backend() == "tpu":
+        # XLA's float32 log on a TPU errs by up to 2.2e-5 relative on every path, while
+        # the sums it is taken of are within 1.8e-6
+        # (benchmarks/results/tpu-v5e/sorted_promise/probes.txt)
+        np.testing.assert_allclose(np.asarray(lse), expected, rtol=5e-5, atol=1e-6)
+    else:
+        assert_close(lse, expected, np.float32)
 
 
 def test_sorted_flag_reaches_the_plan(rng):

@@ -1,4 +1,4 @@
-// Eight-lane float32 arithmetic for jaxcsr's CPU kernels (cpu_kernels.cc): the vector
+// Eight-lane float32 arithmetic for jaxcsr's CPU kernels (included by common.h): the vector
 // types and the softmax's exp. Self-contained, so that the tests compile it alone to
 // check exp against float64.
 #ifndef JAXCSR_VECTOR_MATH_H_
@@ -63,7 +63,7 @@ JAXCSR_INLINE F exp_lanes(F x) {
 
 JAXCSR_INLINE f32x8 exp8(f32x8 x) { return exp_lanes<f32x8, i32x8>(x); }
 __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl"))) JAXCSR_INLINE f32x16 exp16(
-    f32x16 x) {  // AVX-512 only: see cpu_kernels.cc
+    f32x16 x) {  // AVX-512 only: see run_avx512 in common.h
   return exp_lanes<f32x16, i32x16>(x);
 }
 
