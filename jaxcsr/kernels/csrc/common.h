@@ -108,26 +108,7 @@ struct F16 {
   JAXCSR_INLINE static uint16_t store(float v) { return f32_to_f16(v); }
 };
 
-// The reductions: acc = combine(acc, v) from init; max/min propagate NaN and order
-// -0 below +0 (as XLA's): of two equal values the bits are and-ed (max: +0 if either
-// is) or or-ed (min: -0 if either is), which leaves every other pair of equal values
-// as it is.
-JAXCSR_INLINE float float_bits_and(float a, float b) {
-  uint32_t x, y;
-  std::memcpy(&x, &a, 4);
-  std::memcpy(&y, &b, 4);
-  x &= y;
-  std::memcpy(&a, &x, 4);
-  return a;
-}
-JAXCSR_INLINE float float_bits_or(float a, float b) {
-  uint32_t x, y;
-  std::memcpy(&x, &a, 4);
-  std::memcpy(&y, &b, 4);
-  x |= y;
-  std::memcpy(&a, &x, 4);
-  return a;
-}
+// The reductions: acc = combine(acc, v) from init; max/min propagate NaN (as XLA's).
 struct Sum {
   static constexpr float init = 0.0f;
   JAXCSR_INLINE static float combine(float acc, float v) { return acc + v; }
@@ -138,16 +119,14 @@ struct Max {
   static constexpr float init = -__builtin_inff();
   JAXCSR_INLINE static float combine(float acc, float v) {
     const float top = v > acc ? v : acc;
-    const float tie = v == acc ? float_bits_and(v, acc) : top;
-    return v != v ? v : tie;
+    return v != v ? v : top;
   }
 };
 struct Min {
   static constexpr float init = __builtin_inff();
   JAXCSR_INLINE static float combine(float acc, float v) {
     const float low = v < acc ? v : acc;
-    const float tie = v == acc ? float_bits_or(v, acc) : low;
-    return v != v ? v : tie;
+    return v != v ? v : low;
   }
 };
 
@@ -376,18 +355,12 @@ JAXCSR_INLINE void store8(typename Out::Storage* y, f32x8 v, int64_t w) {
   for (int l = 0; l < (w < 8 ? w : 8); ++l) y[l] = Out::store(v[l]);
 }
 
-JAXCSR_INLINE f32x8 max8(f32x8 acc, f32x8 v) {  // as Max::combine: NaN, then -0 < +0
-  const f32x8 tie = reinterpret_cast<f32x8>(reinterpret_cast<u32x8>(v) &
-                                            reinterpret_cast<u32x8>(acc));
-  const f32x8 top = (v > acc) | (v != v) ? v : acc;
-  return v == acc ? tie : top;
+JAXCSR_INLINE f32x8 max8(f32x8 acc, f32x8 v) {  // NaN propagates, as Max::combine
+  return (v > acc) | (v != v) ? v : acc;
 }
 
-JAXCSR_INLINE f32x8 min8(f32x8 acc, f32x8 v) {  // as Min::combine: NaN, then -0 < +0
-  const f32x8 tie = reinterpret_cast<f32x8>(reinterpret_cast<u32x8>(v) |
-                                            reinterpret_cast<u32x8>(acc));
-  const f32x8 low = (v < acc) | (v != v) ? v : acc;
-  return v == acc ? tie : low;
+JAXCSR_INLINE f32x8 min8(f32x8 acc, f32x8 v) {  // NaN propagates, as Min::combine
+  return (v < acc) | (v != v) ? v : acc;
 }
 
 // Op::combine on eight lanes (the same result in each lane as the scalar one).
