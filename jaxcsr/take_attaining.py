@@ -1,8 +1,8 @@
 """The ``take_attaining`` primitive: a max/min's tangent taken at its attaining columns,
 and its transpose ``put_attaining``.
 
-Reading order: primitive -> binding -> impl -> abstract eval -> JVP -> transpose ->
-batching -> lowering, for ``take_attaining`` and then ``put_attaining``. :mod:`jaxcsr.ops`
+Reading order: the primitives and their bindings, impls, abstract evals, then the rules
+they share (JVP, transpose, batching) and the lowerings. :mod:`jaxcsr.ops`
 binds the first in the JVP of ``csr_matmul``'s max and min over one-per-column views,
 where a backend has its own arg search. The two are each other's transpose and both are
 linear in their first operand, so every order of differentiation stays inside the pair
@@ -40,11 +40,27 @@ def take_attaining(x: jax.Array, columns: jax.Array, rows: jax.Array, *, put) ->
     return take_attaining_p.bind(x, columns, rows, put=put)
 
 
+def put_attaining(ct: jax.Array, columns: jax.Array, rows: jax.Array, *, put) -> jax.Array:
+    """:data:`put_attaining_p`: ``ct (m, F)`` put at ``columns (m, F)`` of a view whose
+    column ``k`` lies in row ``rows[k]`` (``(n,)``); ``put`` computes it."""
+    return put_attaining_p.bind(ct, columns, rows, put=put)
+
+
+put_attaining_p = Primitive("put_attaining")
+"""``(n, F)``: ``ct[rows[k], f]`` where ``columns[rows[k], f] == k``, else 0 -- the
+transpose of :data:`take_attaining_p`, computed by the static param ``put``. Linear in
+``ct``; its transpose is ``take_attaining``."""
+
+
 def _take_attaining(x, columns, rows, *, put):
     del rows, put
     n = x.shape[0]
     taken = jnp.take_along_axis(x, jnp.minimum(columns, n - 1), axis=0)
     return jnp.where(columns < n, taken, jnp.zeros((), x.dtype))
+
+
+def _put_attaining(ct, columns, rows, *, put):
+    return put(ct, columns, rows)
 
 
 @take_attaining_p.def_abstract_eval
@@ -53,85 +69,48 @@ def _take_attaining_abstract_eval(x, columns, rows, *, put):
     return ShapedArray((columns.shape[0], x.shape[1]), x.dtype)
 
 
-def _take_attaining_jvp(primals, tangents, *, put):
-    x, columns, rows = primals
-    out = take_attaining_p.bind(x, columns, rows, put=put)
-    if type(tangents[0]) is ad.Zero:
-        return out, ad.Zero.from_primal_value(out)
-    return out, take_attaining_p.bind(tangents[0], columns, rows, put=put)
-
-
-def _take_attaining_transpose(ct, x, columns, rows, *, put):
-    if ad.is_undefined_primal(columns) or ad.is_undefined_primal(rows):
-        raise ValueError("take_attaining is linear in x only")
-    if type(ct) is ad.Zero:
-        return [ad.Zero(x.aval), None, None]
-    return [put_attaining(ct, columns, rows, put=put).astype(x.aval.dtype), None, None]
-
-
-def _take_attaining_batch(args, dims, *, put):
-    """The batch joins the features: ``x (n, B, F) -> (n, B * F)``, the columns alike;
-    rows that differ per element run one element at a time."""
-    x, columns, rows = args
-    x_bd, columns_bd, rows_bd = dims
-    if rows_bd is not None:
-        return map_over_batch(functools.partial(take_attaining, put=put), args, dims), 0
-    size = x.shape[x_bd] if x_bd is not None else columns.shape[columns_bd]
-    out = take_attaining(_fold(x, x_bd, size), _fold(columns, columns_bd, size), rows, put=put)
-    return out.reshape(out.shape[0], size, -1), 1
-
-
-def_jitted_impl(take_attaining_p)
-ad.primitive_jvps[take_attaining_p] = _take_attaining_jvp
-ad.primitive_transposes[take_attaining_p] = _take_attaining_transpose
-batching.primitive_batchers[take_attaining_p] = _take_attaining_batch
-mlir.register_lowering(take_attaining_p, mlir.lower_fun(_take_attaining, multiple_results=False))
-
-
-# ------------------------------------------------------------------ put_attaining
-put_attaining_p = Primitive("put_attaining")
-"""``(n, F)``: ``ct[rows[k], f]`` where ``columns[rows[k], f] == k``, else 0 -- the
-transpose of :data:`take_attaining_p`, computed by the static param ``put``. Linear in
-``ct``; its transpose is ``take_attaining``."""
-
-
-def put_attaining(ct: jax.Array, columns: jax.Array, rows: jax.Array, *, put) -> jax.Array:
-    """:data:`put_attaining_p`: ``ct (m, F)`` put at ``columns (m, F)`` of a view whose
-    column ``k`` lies in row ``rows[k]`` (``(n,)``)."""
-    return put_attaining_p.bind(ct, columns, rows, put=put)
-
-
 @put_attaining_p.def_abstract_eval
 def _put_attaining_abstract_eval(ct, columns, rows, *, put):
     del columns, put
     return ShapedArray((rows.shape[0], ct.shape[1]), ct.dtype)
 
 
-def _put_attaining_jvp(primals, tangents, *, put):
-    ct, columns, rows = primals
-    out = put_attaining_p.bind(ct, columns, rows, put=put)
-    if type(tangents[0]) is ad.Zero:
-        return out, ad.Zero.from_primal_value(out)
-    return out, put_attaining_p.bind(tangents[0], columns, rows, put=put)
+def _linear_rules(primitive: Primitive, transposed) -> None:
+    """The JVP, transpose and batching rules of ``primitive(v, columns, rows, put=)``,
+    linear in ``v``, whose transpose binds ``transposed`` with the same indices."""
 
+    def bind(v, columns, rows, *, put):
+        return primitive.bind(v, columns, rows, put=put)
 
-def _put_attaining_transpose(ct, x, columns, rows, *, put):
-    if ad.is_undefined_primal(columns) or ad.is_undefined_primal(rows):
-        raise ValueError("put_attaining is linear in ct only")
-    if type(ct) is ad.Zero:
-        return [ad.Zero(x.aval), None, None]
-    return [take_attaining(ct, columns, rows, put=put).astype(x.aval.dtype), None, None]
+    def jvp(primals, tangents, *, put):
+        v, columns, rows = primals
+        out = bind(v, columns, rows, put=put)
+        if type(tangents[0]) is ad.Zero:
+            return out, ad.Zero.from_primal_value(out)
+        return out, bind(tangents[0], columns, rows, put=put)
 
+    def transpose(ct, v, columns, rows, *, put):
+        if ad.is_undefined_primal(columns) or ad.is_undefined_primal(rows):
+            raise ValueError(f"{primitive.name} is linear in its first operand only")
+        if type(ct) is ad.Zero:
+            return [ad.Zero(v.aval), None, None]
+        return [transposed(ct, columns, rows, put=put).astype(v.aval.dtype), None, None]
 
-def _put_attaining_batch(args, dims, *, put):
-    """As :func:`_take_attaining_batch`: the batch joins the features."""
-    ct, columns, rows = args
-    ct_bd, columns_bd, rows_bd = dims
-    if rows_bd is not None:
-        return map_over_batch(functools.partial(put_attaining, put=put), args, dims), 0
-    size = ct.shape[ct_bd] if ct_bd is not None else columns.shape[columns_bd]
-    out = put_attaining(_fold(ct, ct_bd, size), _fold(columns, columns_bd, size), rows, put=put)
-    return out.reshape(out.shape[0], size, -1), 1
+    def batch(args, dims, *, put):
+        """The batch joins the features: ``v (k, B, F) -> (k, B * F)``, the columns
+        alike; rows that differ per element run one element at a time."""
+        v, columns, rows = args
+        v_bd, columns_bd, rows_bd = dims
+        if rows_bd is not None:
+            return map_over_batch(functools.partial(bind, put=put), args, dims), 0
+        size = v.shape[v_bd] if v_bd is not None else columns.shape[columns_bd]
+        out = bind(_fold(v, v_bd, size), _fold(columns, columns_bd, size), rows, put=put)
+        return out.reshape(out.shape[0], size, -1), 1
+
+    def_jitted_impl(primitive)
+    ad.primitive_jvps[primitive] = jvp
+    ad.primitive_transposes[primitive] = transpose
+    batching.primitive_batchers[primitive] = batch
 
 
 def _fold(v: jax.Array, bd: int | None, size: int) -> jax.Array:
@@ -143,12 +122,7 @@ def _fold(v: jax.Array, bd: int | None, size: int) -> jax.Array:
     return v.reshape(v.shape[0], -1)
 
 
-def _put_attaining(ct, columns, rows, *, put):
-    return put(ct, columns, rows)
-
-
-def_jitted_impl(put_attaining_p)
-ad.primitive_jvps[put_attaining_p] = _put_attaining_jvp
-ad.primitive_transposes[put_attaining_p] = _put_attaining_transpose
-batching.primitive_batchers[put_attaining_p] = _put_attaining_batch
+_linear_rules(take_attaining_p, put_attaining)
+_linear_rules(put_attaining_p, take_attaining)
+mlir.register_lowering(take_attaining_p, mlir.lower_fun(_take_attaining, multiple_results=False))
 mlir.register_lowering(put_attaining_p, mlir.lower_fun(_put_attaining, multiple_results=False))
