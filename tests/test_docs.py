@@ -67,7 +67,8 @@ def test_every_results_path_the_docs_name_exists():
 def test_every_results_folder_is_linked():
     """Each machine's folder from the docs, each study folder from its machine's README."""
     docs = "\n".join(page.read_text() for page in [*PAGES, ROOT / "DEVELOPMENT.md"])
-    for machine in sorted(p for p in RESULTS.iterdir() if p.is_dir()):
+    committed = (p for p in RESULTS.iterdir() if p.is_dir() and p.name not in UNCOMMITTED)
+    for machine in sorted(committed):  # not a run's default output (after a main job)
         assert f"benchmarks/results/{machine.name}" in docs, machine.name
         readme = (machine / "README.md").read_text()
         for folder in sorted(p for p in machine.iterdir() if p.is_dir()):
