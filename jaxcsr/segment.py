@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import hashlib
 import threading
 from typing import Any
@@ -126,6 +127,25 @@ class _SortedOrNot:
     @property
     def shape(self) -> tuple[int, int]:
         return self.promised.shape
+
+
+def _sorted_or_not(segment_ids, num_segments, mode, backends) -> _SortedOrNot:
+    """Both plans of traced ids given as sorted, and the device's test of the promise
+    the plan without the sort needs (the ids checked and clipped once, for both)."""
+    ids, m = _traced_ids(segment_ids, num_segments, _mode_argument(mode))
+    planned = functools.partial(CSRMatrix.from_indices, ids, m, backends=backends)
+    holds = device_plan.sorted_promise_holds(ids, m)
+    return _SortedOrNot(planned(indices_are_sorted=True), planned(), holds)
+
+
+def _dropped_as_minus_one(ids: Any, num_segments: int) -> Any:
+    """``ids`` (host or traced) with every id outside ``[0, num_segments)`` as ``-1``,
+    in the narrowest index dtype: an int64 id past int32 must not wrap into range when
+    it is narrowed (on its way to the device without x64; in XLA's scatter under x64,
+    as ``jax.ops.segment_prod`` wraps it)."""
+    xp = np if isinstance(ids, np.ndarray) else jnp
+    keep = (ids >= 0) & (ids < num_segments)
+    return xp.where(keep, ids, -1).astype(plan.index_dtype_for(ids.size, num_segments))
 
 
 def _on_plan(A: CSRMatrix | _SortedOrNot, body, *operands):
@@ -303,11 +323,10 @@ def _prepare(
     axis = _check_axis(data, axis)
     backends = _backends_for(impl)
     A: CSRMatrix | _SortedOrNot
-    A = segment_matrix(segment_ids, num_segments, mode, backends=backends)
     if sorted_ids and is_traced(segment_ids):
-        ids, m = _traced_ids(segment_ids, A.shape[0], mode)
-        promised = CSRMatrix.from_indices(ids, m, backends=backends, indices_are_sorted=True)
-        A = _SortedOrNot(promised, A, device_plan.sorted_promise_holds(ids, m))
+        A = _sorted_or_not(segment_ids, num_segments, mode, backends)
+    else:
+        A = segment_matrix(segment_ids, num_segments, mode, backends=backends)
     _check_length(data, axis, A.shape[1])
     return A, jnp.moveaxis(data, axis, 0), axis
 
@@ -441,12 +460,9 @@ def _prepare_logits(logits, segment_ids, num_segments, sorted_ids, axis, impl) -
     ):
         # concrete ids with some out of range: the host plan left those entries out;
         # the device plan keeps one slot per id (dropped ones in padding), which the
-        # fused softmax needs. Dropped ids become -1 on the host: an int64 id past
-        # int32 must not wrap into range on its way to the device.
-        ids = np.asarray(segment_ids)
-        m = A.shape[0]
-        ids = np.where((ids >= 0) & (ids < m), ids, -1).astype(plan.index_dtype_for(ids.size, m))
-        A = _planned_on_device(jnp.asarray(ids), num_rows=m, backends=A.backends)
+        # fused softmax needs
+        ids = _dropped_as_minus_one(np.asarray(segment_ids), A.shape[0])
+        A = _planned_on_device(jnp.asarray(ids), num_rows=A.shape[0], backends=A.backends)
     return A, x, axis
 
 
@@ -669,20 +685,13 @@ def segment_prod(data: Any, segment_ids: Any, num_segments: Size = None,
     ids: Any
     if is_traced(segment_ids):
         ids, num_segments = _traced_ids(segment_ids, num_segments, mode)
-        # dropped ids as -1 in the narrowest index dtype (XLA's scatter wraps an int64
-        # id past int32 into range: jax.ops.segment_prod does, under x64)
-        keep = (ids >= 0) & (ids < num_segments)
-        ids = jnp.where(keep, ids, -1).astype(plan.index_dtype_for(ids.size, num_segments))
     else:
         ids, num_segments = _host_ids(segment_ids, num_segments)
         if mode == "check":
             check_segment_ids(ids, num_segments, names=("segment_ids", "num_segments"))
         elif mode == "clip" and num_segments > 0:
             ids = np.clip(ids, 0, num_segments - 1)
-        # dropped ids become -1 on the host: an int64 id past int32 must not wrap into
-        # range on its way to the device (without x64)
-        keep = (ids >= 0) & (ids < num_segments)
-        ids = np.where(keep, ids, -1).astype(plan.index_dtype_for(ids.size, num_segments))
+    ids = _dropped_as_minus_one(ids, num_segments)
     _check_length(data, axis, ids.shape[0])
     out = _xla_segment_prod(
         jnp.moveaxis(data, axis, 0),
