@@ -22,7 +22,7 @@ try:  # the public spelling; jax.core's aliases are being retired
 except ImportError:  # pragma: no cover - future jax
     from jax._src.core import ShapedArray
 
-__all__ = ["ShapedArray", "def_jitted_impl", "map_over_batch"]
+__all__ = ["ShapedArray", "def_jitted_impl", "fold_batch", "map_over_batch"]
 
 
 def map_over_batch(fn, args: Sequence[Any], dims: Sequence[int | None]) -> jax.Array:
@@ -37,6 +37,17 @@ def map_over_batch(fn, args: Sequence[Any], dims: Sequence[int | None]) -> jax.A
         return fn(*[a if d is None else next(taken) for a, d in zip(args, dims, strict=True)])
 
     return jax.lax.map(one, batched)
+
+
+def fold_batch(v: jax.Array, bd: int | None, size: int) -> jax.Array:
+    """``(k, F)`` batched at ``bd`` (``None``: shared by every element, broadcast) ->
+    ``(k, size * F)``: the batching rule of an operation that treats its columns
+    independently runs the whole batch as one call with more columns."""
+    if bd is None:
+        v = jnp.broadcast_to(v[:, None], (v.shape[0], size, v.shape[1]))
+    else:
+        v = jnp.moveaxis(v, bd, 1)
+    return v.reshape(v.shape[0], -1)
 
 
 @functools.cache

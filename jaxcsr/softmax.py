@@ -60,7 +60,7 @@ from jax.interpreters import ad, batching, mlir
 from jaxcsr.dtypes import accumulation_dtype
 from jaxcsr.matrix import CSRMatrix, matmul
 from jaxcsr.ops import PLATFORMS, Index, backend_for
-from jaxcsr.primitive import ShapedArray, def_jitted_impl, map_over_batch
+from jaxcsr.primitive import ShapedArray, def_jitted_impl, fold_batch, map_over_batch
 from jaxcsr.validation import as_numeric
 
 __all__ = [
@@ -335,15 +335,6 @@ for _platform in PLATFORMS:
         )
 
 
-def _fold_heads(v: jax.Array, bd: int | None, size: int) -> jax.Array:
-    """``(n, H)`` batched at ``bd`` (or not batched) -> ``(n, size * H)``."""
-    if bd is None:
-        v = jnp.broadcast_to(v[:, None], (v.shape[0], size, v.shape[1]))
-    else:
-        v = jnp.moveaxis(v, bd, 1)
-    return v.reshape(v.shape[0], -1)
-
-
 def _batch(primitive: Primitive, n_arrays: int):
     """Batching: every head is normalised on its own, so a batch of scores joins the
     heads axis (one call, and the composition's ``lax.cond`` stays a cond); a pattern
@@ -358,7 +349,7 @@ def _batch(primitive: Primitive, n_arrays: int):
             return map_over_batch(bind, args, dims), 0
         arrays, leaves = args[:n_arrays], args[n_arrays:]
         size = next(a.shape[d] for a, d in zip(arrays, dims, strict=False) if d is not None)
-        folded = [_fold_heads(a, d, size) for a, d in zip(arrays, dims, strict=False)]
+        folded = [fold_batch(a, d, size) for a, d in zip(arrays, dims, strict=False)]
         out = primitive.bind(*folded, *leaves, index_tree=index_tree, impl=impl)
         return out.reshape(out.shape[0], size, -1), 1
 

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
-from jaxcsr.primitive import ShapedArray, def_jitted_impl, map_over_batch
+from jaxcsr.primitive import ShapedArray, def_jitted_impl, fold_batch, map_over_batch
 
 __all__ = ["put_attaining", "put_attaining_p", "take_attaining", "take_attaining_p"]
 
@@ -104,22 +104,13 @@ def _linear_rules(primitive: Primitive, transposed) -> None:
         if rows_bd is not None:
             return map_over_batch(functools.partial(bind, put=put), args, dims), 0
         size = v.shape[v_bd] if v_bd is not None else columns.shape[columns_bd]
-        out = bind(_fold(v, v_bd, size), _fold(columns, columns_bd, size), rows, put=put)
+        out = bind(fold_batch(v, v_bd, size), fold_batch(columns, columns_bd, size), rows, put=put)
         return out.reshape(out.shape[0], size, -1), 1
 
     def_jitted_impl(primitive)
     ad.primitive_jvps[primitive] = jvp
     ad.primitive_transposes[primitive] = transpose
     batching.primitive_batchers[primitive] = batch
-
-
-def _fold(v: jax.Array, bd: int | None, size: int) -> jax.Array:
-    """``(k, F)`` batched at ``bd`` (``None``: shared) -> ``(k, size * F)``."""
-    if bd is None:
-        v = jnp.broadcast_to(v[:, None], (v.shape[0], size, v.shape[1]))
-    else:
-        v = jnp.moveaxis(v, bd, 1)
-    return v.reshape(v.shape[0], -1)
 
 
 _linear_rules(take_attaining_p, put_attaining)
