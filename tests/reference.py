@@ -217,6 +217,17 @@ def softmax_reference(scores, rows: np.ndarray, m: int) -> np.ndarray:
     return out
 
 
+def logsumexp_reference(scores, rows: np.ndarray, m: int) -> np.ndarray:
+    """Float64 ``log(sum(exp(scores)))`` per row id (``(m, ...)``); entries whose id is
+    outside ``[0, m)`` are dropped; empty rows are 0."""
+    s = np.asarray(jnp.asarray(scores, jnp.float32), np.float64)
+    keep = (rows >= 0) & (rows < m)
+    total = np.zeros((m, *s.shape[1:]))
+    np.add.at(total, rows[keep], np.exp(s[keep]))
+    counts = np.bincount(rows[keep], minlength=m).reshape((m,) + (1,) * (s.ndim - 1))
+    return np.where(counts > 0, np.log(np.where(counts > 0, total, 1)), 0.0)
+
+
 def softmax_grad_reference(p: np.ndarray, g, rows: np.ndarray, m: int) -> np.ndarray:
     """Float64 ``p * (g - rowsum(p * g)[row])``; dropped entries (ids outside
     ``[0, m)``) get 0."""
