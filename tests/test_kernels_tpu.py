@@ -14,6 +14,7 @@ from reference import (
     TPU_INTERPRET,
     assert_close,
     assert_kernel_grads,
+    assert_sums_close,
     power_law_ids,
     random_csr,
     random_values,
@@ -112,6 +113,63 @@ def test_small_tiles_many_windows_under_both_interpreters(rng, dtype, interpret)
         want = np.full((num_rows, 3), identity, np.float32)
         ufunc.at(want, idx, wide)
         np.testing.assert_array_equal(np.asarray(got), want)
+
+
+WIDE_TILE = tpu.Tiling(block_k=256, window=16, block_m=392)
+"""A tile wider than 128 lanes, so feature-major windows start off a lane boundary."""
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+@pytest.mark.parametrize("n_features", [1, 3, 8, 64, 100])
+@pytest.mark.parametrize(
+    "interpret",
+    [TPU_INTERPRET, pltpu.InterpretParams() if TPU_INTERPRET else False],
+    ids=["pallas", "tpu"],
+)
+def test_feature_major_kernel_matches_float64(rng, dtype, n_features, interpret):
+    """The feature-major sum (values ``(N, nnz)``, output window placed by a lane
+    rotation) with tiles far smaller than the structure: several windows per block,
+    windows starting at every multiple of 8 inside 392-row tiles, an empty last tile,
+    one row holding half the entries, widths 1 to 100 (not multiples of 8)."""
+    num_rows = 3 * WIDE_TILE.block_m + 11
+    idx = np.sort(_skewed_ids(rng, 1500, num_rows, 2 * WIDE_TILE.block_m + 30))
+    indptr, _ = plan.segment_ids_to_csr(idx, num_rows)
+    schedule = tpu.plan_schedule(indptr, WIDE_TILE)
+    starts = np.asarray(schedule.span)[(np.asarray(schedule.tile) & tpu.SKIP) == 0] & 0xFFFF
+    assert len(set(starts % 128)) > 4  # windows at many lane offsets
+    vals = random_values(rng, (1500, n_features)).astype(dtype)
+    rows = tpu.padded_rows(tpu.host_rows(indptr), WIDE_TILE.block_k, np)
+    out = tpu.spmm_feature_major(
+        jnp.asarray(vals).T,
+        jnp.asarray(rows),
+        jax.tree.map(jnp.asarray, schedule),
+        num_rows=num_rows,
+        interpret=interpret,
+    )
+    assert out.shape == (num_rows, n_features) and out.dtype == jnp.float32
+    expected = np.zeros((num_rows, n_features))
+    np.add.at(expected, idx, vals.astype(np.float64))
+    assert_close(out, expected, np.float32)  # float32 accumulation of exact values
+
+
+@pytest.mark.parametrize("n_features", [1, 5, 64])
+def test_narrow_sums_run_feature_major_and_take_inf_and_nan(rng, n_features):
+    """``A @ v`` with fewer than 128 features runs the feature-major kernel; an inf or
+    NaN sends it to the IEEE (row-major) kernel, which gives numpy's answer."""
+    idx = power_law_ids(rng, 600, 70)
+    A = CSRMatrix.from_indices(idx, num_rows=70, backends=ALL)
+    v = random_values(rng, (600, n_features)).astype(np.float32)
+    for bad in (None, np.inf, np.nan, -np.inf):
+        x = v.copy()
+        if bad is not None:
+            x[int(rng.integers(0, 600)), int(rng.integers(0, n_features))] = bad
+        expected, abs_sums = np.zeros((70, n_features)), np.zeros((70, n_features))
+        np.add.at(expected, idx, x.astype(np.float64))
+        np.add.at(abs_sums, idx, np.abs(x.astype(np.float64)))
+        got = np.asarray(tpu_matmul(A, jnp.asarray(x)))
+        finite = np.isfinite(expected)
+        np.testing.assert_array_equal(got[~finite], expected[~finite])  # inf, -inf, NaN
+        assert_sums_close(got[finite], expected[finite], abs_sums[finite], np.float32)
 
 
 @pytest.mark.parametrize("reduce", ["sum", "max"])
@@ -215,6 +273,28 @@ def test_tiling_depends_on_rows_and_nnz_only():
     assert tiny.block_m == 8 and tiny.window == 8
     with pytest.raises(ValueError, match="multiples"):
         tpu.Tiling(100, 8, 8)
+
+
+@pytest.mark.parametrize("n_features", [1, 3, 8, 64, 100, 130])
+def test_each_width_lowers_to_its_kernel_for_tpu(n_features):
+    """Sums of fewer than 128 features lower to the feature-major kernel, wider sums
+    and max/min to the row-major one; forward and backward, float32 and bfloat16."""
+    idx = np.array([0, 2, 2, 1, 0, 4, 4, 4, 3, 3, 1])
+    A = CSRMatrix.from_indices(idx, num_rows=5, backends=ALL)
+    narrow = n_features < 128
+    for dtype in (jnp.float32, jnp.bfloat16):
+        v = jax.ShapeDtypeStruct((idx.size, n_features), dtype)
+        y = jax.ShapeDtypeStruct((5, n_features), dtype)
+        for f, args, feature_major in (
+            (lambda v: A @ v, (v,), narrow),
+            (lambda v: jaxcsr.matmul(A, v, reduce="max"), (v,), False),
+            # the backward of a segment sum is a row gather (XLA), of A.T @ y a sum
+            (lambda y: A.T @ y, (y,), False),
+        ):
+            text = export.export(jax.jit(f), platforms=["tpu"])(*args).mlir_module()
+            assert ("jaxcsr_window_spmm_feature_major" in text) == feature_major, (f, dtype)
+            if not feature_major and "tpu_custom_call" in text:
+                assert "jaxcsr_window_spmm" in text
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

@@ -69,6 +69,7 @@ __all__ = [
     "covers",
     "default_for",
     "describe",
+    "feature_major",
     "host_rows",
     "padded_rows",
     "plan",
@@ -78,6 +79,7 @@ __all__ = [
     "product",
     "schedule_capacity",
     "spmm",
+    "spmm_feature_major",
 ]
 
 SUBLANES = 8
@@ -644,6 +646,106 @@ def spmm(
     return out[:num_rows]
 
 
+LANES = 128
+"""Vector lanes: the minor dimension of a TPU tile."""
+
+
+def _narrow_sum_kernel(
+    block_ref, tile_ref, span_ref, rows_ref, vals_ref, o_ref, *, tiling, num_parts
+):
+    del block_ref
+    s = pl.program_id(0)
+    tile, flags, start, lo = _step_fields(tile_ref, span_ref, s)
+    base = tile * tiling.block_m
+    n = o_ref.shape[0]
+    wide = _round_up(tiling.window, LANES) + LANES
+
+    @pl.when((flags & FIRST) != 0)
+    def _zero():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.when((flags & SKIP) == 0)
+    def _accumulate():
+        hot = _onehot(rows_ref[...], base, start, lo, tiling.window).astype(jnp.bfloat16)
+        acc = None
+        for part in _parts(vals_ref[...], num_parts):
+            term = lax.dot_general(
+                part, hot, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
+            )
+            acc = term if acc is None else acc + term
+        assert acc is not None
+        # out[:, start:start + window] += acc, as an add over a 128-aligned lane range:
+        # the window is shifted into place by a lane rotation (starts are multiples of 8)
+        shift = start % LANES
+        aligned = pl.multiple_of(start - shift, LANES)
+        placed = jnp.concatenate([acc, jnp.zeros((n, wide - tiling.window), jnp.float32)], axis=1)
+        placed = pltpu.roll(placed, shift, 1)
+        o_ref[:, pl.ds(aligned, wide)] += placed
+
+
+def spmm_feature_major(
+    values_t: jax.Array,
+    rows: jax.Array,
+    schedule: Schedule,
+    *,
+    num_rows: int,
+    interpret: bool | pltpu.InterpretParams = False,
+) -> jax.Array:
+    """``out[rows[k]] += values_t[:, k]``, feature-major: the sum of :func:`spmm` for
+    narrow widths, reading ``values_t`` lane-dense along the nonzeros.
+
+    A TPU stores an ``(nnz, N)`` array with fewer than 128 features column-major, so
+    ``values.T`` is free and a ``(N, block_k)`` block is one dense DMA, where
+    :func:`spmm`'s ``(block_k, N)`` block would pad each row to 128 lanes. Each step
+    multiplies the block by its one-hot window on the MXU, ``(N, block_k) @ (block_k,
+    window)``: the MXU streams ``N`` rows instead of ``window``. Same schedule and rows
+    as :func:`spmm`; finite values only (``spmm(..., ieee=True)`` takes the others).
+
+    Args:
+      values_t: ``(N, nnz)`` bfloat16 or float32, the nonzeros in CSR order.
+      rows, schedule, num_rows, interpret: as for :func:`spmm`.
+
+    Returns:
+      ``(m, N)`` float32.
+    """
+    t = schedule.tiling
+    n, nnz = values_t.shape
+    num_k = rows.shape[1] // t.block_k
+    num_m = max(1, -(-num_rows // t.block_m))
+    tile_lanes = _round_up(t.block_m, LANES) + LANES
+    values_t = jnp.pad(values_t, ((0, 0), (0, num_k * t.block_k - nnz)))
+    num_parts = 1 if values_t.dtype == jnp.bfloat16 else 3
+    kernel = functools.partial(_narrow_sum_kernel, tiling=t, num_parts=num_parts)
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(schedule.block.shape[0],),
+        in_specs=[
+            pl.BlockSpec((1, t.block_k), lambda s, b, tl, sp: (0, b[s])),
+            pl.BlockSpec((n, t.block_k), lambda s, b, tl, sp: (0, b[s])),
+        ],
+        out_specs=pl.BlockSpec((n, tile_lanes), lambda s, b, tl, sp: (0, tl[s] >> _FLAG_BITS)),
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((n, num_m * tile_lanes), jnp.float32),
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=VMEM_LIMIT_BYTES
+        ),
+        interpret=interpret,
+        name="jaxcsr_window_spmm_feature_major",
+    )(schedule.block, schedule.tile, schedule.span, rows, values_t)
+    out = out.reshape(n, num_m, tile_lanes)[:, :, : t.block_m].reshape(n, num_m * t.block_m)
+    return out[:, :num_rows].T
+
+
+def feature_major(n_features: int, reduce: str) -> bool:
+    """Whether a product runs :func:`spmm_feature_major`: sums of fewer than 128
+    features (an ``(nnz, N)`` array with ``N < 128`` is stored column-major on a TPU,
+    so its transpose is free)."""
+    return reduce == "sum" and n_features < LANES
+
+
 def covers(view: Structure) -> bool:
     """Views the kernel runs: all but one entry per row (a row gather, run by XLA)."""
     return not view.one_per_row
@@ -676,13 +778,15 @@ def default_for(view: Structure, dtype: Any = None, reduce: str | None = "sum") 
 
 def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
     """What runs ``view`` (host-side report for ``plan_info``)."""
-    del n_features
     if not covers(view):
         return {"pallas_tpu": "xla gather (one entry per row)"}
     t = choose_tiling(view.shape[0], view.nnz)
+    layout = ""
+    if n_features is not None and feature_major(n_features, "sum"):
+        layout = "; sums feature-major, max/min row-major"
     return {
         "pallas_tpu": f"kernel (blocks of {t.block_k} nonzeros, windows of {t.window} rows, "
-        f"tiles of {t.block_m} rows)"
+        f"tiles of {t.block_m} rows{layout})"
     }
 
 
@@ -730,23 +834,21 @@ def product(
     else:
         tiles, rows = tpu_plan.tiles, tpu_plan.rows
     assert tiles is not None and rows is not None, "a transposed view of a planned transpose"
+    num_rows = structure.shape[0]
+    # The TPU interpreter (pltpu.InterpretParams) runs on io_callbacks with ordered
+    # effects, which a primitive's lowering cannot host; the primitive uses the
+    # generic Pallas interpreter and tests run the kernel under both.
     run = functools.partial(
-        spmm,
-        values,
-        rows,
-        tiles,
-        num_rows=structure.shape[0],
-        reduce=reduce,
-        # The TPU interpreter (pltpu.InterpretParams) runs on io_callbacks with ordered
-        # effects, which a primitive's lowering cannot host; the primitive uses the
-        # generic Pallas interpreter and tests run the kernel under both.
-        interpret=interpret,
+        spmm, values, rows, tiles, num_rows=num_rows, reduce=reduce, interpret=interpret
     )
 
     def finished(out):  # max/min: empty rows hold 0, not the kernel's -inf/+inf
         return out if reduce == "sum" else zero_empty_rows(out, structure)
 
-    out = finished(run())
+    if feature_major(values.shape[1], reduce):
+        out = spmm_feature_major(values.T, rows, tiles, num_rows=num_rows, interpret=interpret)
+    else:
+        out = finished(run())
     # Not finite only if some value was not (or a float32 sum overflowed): then the
     # IEEE kernel runs (spmm's ``ieee``); finite inputs pay one pass over the output.
     out = lax.cond(jnp.all(jnp.isfinite(out)), lambda: out, lambda: finished(run(ieee=True)))

@@ -1,0 +1,298 @@
+"""What a step of the TPU kernel costs against the feature width, and what bounds it.
+
+``python -m benchmarks.hardware.tpu_width_probe [--graphs tolokers] [--out DIR]``
+
+For each width ``N`` (float32 values in CSR order of a real graph), times in one
+process: a copy of the values (``v + 1``) and of the same bytes laid out lane-dense
+(``(E * N / 128, 128)``); a Pallas kernel that only streams the value blocks the
+windowed kernel reads (its ceiling for this access pattern); the windowed kernel
+itself, and again with every step on the same block (its arithmetic alone); and a
+*packed* kernel that reads the lane-dense layout, ``128 / N`` entries per lane row, with
+one one-hot per packed group. Times are per call, from ``--calls`` calls dispatched
+back to back (the ~0.5 ms a blocking call costs is not counted). Sums are checked
+against float64. Writes ``width_probe.json`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import scipy.sparse as sp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from benchmarks.datasets import load_graph
+from jaxcsr.kernels import tpu
+
+LANES = 128
+
+
+def pipelined_ms(fn, args, calls: int) -> float:
+    """Milliseconds per call of ``calls`` calls dispatched back to back (median of 3)."""
+    jax.block_until_ready(fn(*args))
+    jax.block_until_ready(fn(*args))
+    runs = []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        out = None
+        for _ in range(calls):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        runs.append((time.perf_counter() - t0) / calls)
+    return float(np.median(runs)) * 1e3
+
+
+def stream(values, block_rows: int, interpret=False):
+    """Reads every ``(block_rows, C)`` block of ``values`` once, adds its first 8 rows."""
+    e, c = values.shape
+    nb = e // block_rows
+
+    def kernel(v_ref, o_ref):
+        @pl.when(pl.program_id(0) == 0)
+        def _():
+            o_ref[...] = jnp.zeros_like(o_ref)
+
+        o_ref[...] += v_ref[pl.ds(0, 8), :].astype(jnp.float32)
+
+    return pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((8, c), jnp.float32),
+        grid=(nb,),
+        in_specs=[pl.BlockSpec((block_rows, c), lambda b: (b, 0))],
+        out_specs=pl.BlockSpec((8, c), lambda b: (0, 0)),
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=tpu.VMEM_LIMIT_BYTES
+        ),
+        interpret=interpret,
+    )(values)
+
+
+def _packed_kernel(
+    block_ref, tile_ref, span_ref, r_ref, p_ref, o_ref, *, tiling, groups, width, num_parts
+):
+    del block_ref
+    s = pl.program_id(0)
+    tile, flags, start, lo = tpu._step_fields(tile_ref, span_ref, s)
+    base = tile * tiling.block_m
+    shape = (tiling.window, LANES)
+
+    @pl.when((flags & tpu.FIRST) != 0)
+    def _zero():
+        o_ref[...] = jnp.zeros_like(o_ref)
+
+    @pl.when((flags & tpu.SKIP) == 0)
+    def _accumulate():
+        parts = tpu._parts(p_ref[...], num_parts)
+        group_of_lane = lax.div(lax.broadcasted_iota(jnp.int32, shape, 1), width)
+
+        def body(g, acc):
+            rows = r_ref[pl.ds(g, 1), :]
+            hot = tpu._onehot(rows, base, start, lo, tiling.window).astype(jnp.bfloat16)
+            y = None
+            for part in parts:
+                t = jnp.dot(hot, part, preferred_element_type=jnp.float32)
+                y = t if y is None else y + t
+            return acc + jnp.where(group_of_lane == g, y, 0.0)
+
+        acc = lax.fori_loop(0, groups, body, jnp.zeros(shape, jnp.float32))
+        o_ref[pl.ds(start, tiling.window), :] += acc
+
+
+def packed_spmm(packed, group_rows, schedule, *, num_rows, width, interpret=False):
+    """Sum of a packed ``(E * N / 128, 128)`` operand: ``group_rows[g, p]`` is the row of
+    entry ``p * G + g``; ``schedule`` planned with ``block_k = G * packed rows``."""
+    t = schedule.tiling
+    groups = LANES // width
+    kp = t.block_k // groups
+    num_m = max(1, -(-num_rows // t.block_m))
+    num_parts = 1 if packed.dtype == jnp.bfloat16 else 3
+    kernel = functools.partial(
+        _packed_kernel, tiling=t, groups=groups, width=width, num_parts=num_parts
+    )
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=3,
+        grid=(schedule.block.shape[0],),
+        in_specs=[
+            pl.BlockSpec((groups, kp), lambda s, b, tl, sp: (0, b[s])),
+            pl.BlockSpec((kp, LANES), lambda s, b, tl, sp: (b[s], 0)),
+        ],
+        out_specs=pl.BlockSpec(
+            (t.block_m, LANES), lambda s, b, tl, sp: (tl[s] >> tpu._FLAG_BITS, 0)
+        ),
+    )
+    out = pl.pallas_call(
+        kernel,
+        out_shape=jax.ShapeDtypeStruct((num_m * t.block_m, LANES), jnp.float32),
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("arbitrary",), vmem_limit_bytes=tpu.VMEM_LIMIT_BYTES
+        ),
+        interpret=interpret,
+    )(schedule.block, schedule.tile, schedule.span, group_rows, packed)
+    return out[:num_rows].reshape(num_rows, groups, width).sum(axis=1)
+
+
+def probe(graph, widths, calls, emit, interpret=False, packed=False):
+    g = load_graph(graph)
+    m, e = g.num_nodes, g.num_edges
+    dst = np.sort(g.dst)
+    indptr = np.concatenate([[0], np.cumsum(np.bincount(dst, minlength=m))])
+    onehot = sp.csr_array((np.ones(e), (dst, np.arange(e))), shape=(m, e))
+    rows_host = tpu.host_rows(indptr)
+    rng = np.random.default_rng(0)
+    default = tpu.choose_tiling(m, e)
+    emit({"graph": g.name, "rows": m, "nnz": e, "default_tiling": str(default)})
+
+    def run(cell, name, fn, *args, check=None):
+        try:
+            ms = pipelined_ms(jax.jit(fn), args, calls)
+            rec = {**cell, "case": name, "ms": round(ms, 4)}
+            rec["values_GBps"] = round(cell["bytes"] / ms / 1e6, 1)
+            if check is not None:
+                out = np.asarray(jax.jit(fn)(*args), np.float64)
+                rec["rel_err"] = float(np.abs(out - check).max() / np.abs(check).max())
+        except Exception as err:  # one cell must not end the probe
+            rec = {**cell, "case": name, "error": f"{type(err).__name__}: {err}"[:600]}
+        emit(rec)
+
+    for n in widths:
+        groups = LANES // n
+        v64 = rng.uniform(-1, 1, (e, n))
+        ref = onehot @ v64
+        v = jnp.asarray(v64, jnp.float32)
+        cell = {"graph": g.name, "N": n, "bytes": e * n * 4}
+        hlo = jax.jit(lambda a: a + 1).lower(v).compile().as_text()
+        layout = [ln.strip()[:160] for ln in hlo.splitlines() if "parameter(0)" in ln][:1]
+        emit({**cell, "case": "layout of (E, N)", "hlo": layout})
+        run(cell, "copy v+1", lambda a: a + 1, v)
+        run(cell, "sum over ids jnp.sum(v, 0)", lambda a: jnp.sum(a, 0), v)
+        # the windowed kernel, its stream ceiling and its arithmetic alone
+        for bk in (2048,):
+            ep = -(-e // bk) * bk
+            vp = jnp.pad(v, ((0, ep - e), (0, 0)))
+            run(cell, f"stream (E, N) blocks k={bk}", lambda a, bk=bk: stream(a, bk, interpret), vp)
+        for w in (128, 64) if n in (16, 128) else (default.window,):
+            t = tpu.Tiling(default.block_k, min(w, default.block_m), default.block_m)
+            plan = tpu.plan_schedule(indptr, t)
+            sched = jax.tree.map(jnp.asarray, plan)
+            rows = jnp.asarray(tpu.padded_rows(rows_host, t.block_k, np))
+            spmm = functools.partial(tpu.spmm, num_rows=m, interpret=interpret)
+            tag = f"k={t.block_k} w={t.window} steps={plan.num_steps}"
+            run(cell, f"kernel {tag}", lambda a, r=rows, s=sched, f=spmm: f(a, r, s), v, check=ref)
+            same = tpu.Schedule(jnp.zeros_like(sched.block), sched.tile, sched.span, t)
+            run(
+                cell,
+                f"kernel on one block (arithmetic) {tag}",
+                lambda a, r=rows, s=same, f=spmm: f(a, r, s),
+                v,
+            )
+        if n == LANES:
+            continue
+        # feature-major: values.T (free: XLA stores narrow arrays column-major)
+        for bk, w in ((default.block_k, default.window), (1024, 128), (4096, 128), (2048, 256)):
+            t = tpu.Tiling(bk, min(w, default.block_m), default.block_m)
+            plan = tpu.plan_schedule(indptr, t)
+            sched = jax.tree.map(jnp.asarray, plan)
+            rows = jnp.asarray(tpu.padded_rows(rows_host, t.block_k, np))
+            fm = functools.partial(tpu.spmm_feature_major, num_rows=m, interpret=interpret)
+            tag = f"k={t.block_k} w={t.window} steps={plan.num_steps}"
+            run(
+                cell,
+                f"feature-major {tag}",
+                lambda a, r=rows, s=sched, f=fm: f(a.T, r, s),
+                v,
+                check=ref,
+            )
+            same = tpu.Schedule(jnp.zeros_like(sched.block), sched.tile, sched.span, t)
+            run(
+                cell,
+                f"feature-major on one block (arithmetic) {tag}",
+                lambda a, r=rows, s=same, f=fm: f(a.T, r, s),
+                v,
+            )
+            vb = v.astype(jnp.bfloat16)
+            run(
+                {**cell, "bytes": e * n * 2},
+                f"feature-major bf16 {tag}",
+                lambda a, r=rows, s=sched, f=fm: f(a.T, r, s),
+                vb,
+            )
+        if not packed:
+            continue
+        # lane-dense layout: 128 / N entries per lane row
+        padded = jnp.pad(v, ((0, (-e) % groups), (0, 0)))
+        run(cell, "reshape (E, N) -> (E*N/128, 128)", lambda a: a.reshape(-1, LANES) + 0, padded)
+        for kp, w in ((512, 256), (256, 256), (128, 256), (1024, 128)):
+            if kp * groups > 2**16:
+                continue
+            bk = kp * groups
+            t = tpu.Tiling(bk, w, max(w, default.block_m))
+            plan = tpu.plan_schedule(indptr, t)
+            sched = jax.tree.map(jnp.asarray, plan)
+            ep = max(1, -(-e // bk)) * bk
+            rows = np.full(ep, -1, np.int32)
+            rows[:e] = rows_host
+            group_rows = jnp.asarray(rows.reshape(-1, groups).T.copy())
+            packed = jnp.pad(v, ((0, ep - e), (0, 0))).reshape(-1, LANES)
+            tag = f"kp={kp} entries/block={bk} w={w} steps={plan.num_steps}"
+            run(cell, f"stream packed kp={kp}", lambda a, kp=kp: stream(a, kp, interpret), packed)
+            run(
+                cell,
+                f"packed kernel {tag}",
+                lambda a, r=group_rows, s=sched, n=n: packed_spmm(
+                    a, r, s, num_rows=m, width=n, interpret=interpret
+                ),
+                packed,
+                check=ref,
+            )
+            same = tpu.Schedule(jnp.zeros_like(sched.block), sched.tile, sched.span, t)
+            run(
+                cell,
+                f"packed kernel on one block (arithmetic) {tag}",
+                lambda a, r=group_rows, s=same, n=n: packed_spmm(
+                    a, r, s, num_rows=m, width=n, interpret=interpret
+                ),
+                packed,
+            )
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--graphs", default="tolokers")
+    p.add_argument("--features", default="1,8,16,64,128")
+    p.add_argument("--calls", type=int, default=20)
+    p.add_argument("--out", default="benchmarks/results/tmp-probe")
+    p.add_argument("--interpret", action="store_true", help="smoke run on CPU")
+    p.add_argument("--packed", action="store_true", help="also the lane-packed layout")
+    args = p.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    records = []
+
+    def emit(rec):
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        (out / "width_probe.json").write_text(json.dumps(records, indent=1))
+
+    emit({"jax": jax.__version__, "devices": str(jax.devices())})
+    for graph in args.graphs.split(","):
+        probe(
+            graph,
+            [int(w) for w in args.features.split(",")],
+            args.calls,
+            emit,
+            args.interpret,
+            args.packed,
+        )
+
+
+if __name__ == "__main__":
+    main()
