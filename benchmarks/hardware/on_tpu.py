@@ -22,14 +22,22 @@ reports the ratio to the best peer. Workloads:
 * ``spmm`` / ``spmm grad``: GCN's ``Â @ X`` against ``jax.experimental.sparse`` BCSR,
   and its gradient w.r.t. ``X`` (the product with the planned transpose).
 * ``softmax``: ``segment_softmax`` against the jax.ops composition (max, exp, sum).
-* ``gcn step`` (float32, ``N = 128`` cells): one jitted training step (forward, loss,
-  gradient, SGD update) of a two-layer GCN with 128 hidden features on random
+Whole training steps (``--models``, the default; float32; each one jitted forward,
+loss, gradient and SGD update):
+
+* ``gcn step`` (once per graph): a two-layer GCN with 128 hidden features on random
   ``(m, 128)`` node features, aggregating with ``Â @ h`` (jaxcsr, BCSR) or
   ``segment_sum(w * h[src], dst)`` (jax.ops).
+* ``gat step (8x8)`` (once per graph): a two-layer GAT, 8 heads of 8 features then
+  one head, on random ``(m, 64)`` features: ``edge_softmax`` and per-head products
+  against the jax.ops composition (:func:`gat_step`).
 * ``jraph step`` (once per ``tpu.json``): a message-passing step on a padded
   batch of 64 random graphs whose senders and receivers are jit arguments (a new
   batch every step, as jraph trains), ``jaxcsr.segment_sum`` in place of
   ``jax.ops.segment_sum`` with the same arguments.
+* ``molecule step`` (once per ``tpu.json``): attention message passing on a jraph
+  padded batch of 64 molecules of 10-40 atoms, 64 features, ids as jit arguments
+  (:func:`molecule_step`).
 
 ``copy`` (``v + 1``, read and write) gives the bandwidth the chip reaches in the same
 run; the segment rows report jaxcsr's GB/s (values read once, output written once) and
@@ -52,6 +60,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
+import jaxcsr
 from benchmarks.datasets import load_graph
 from benchmarks.systems import jax_sparse_twins
 from jaxcsr import CSRMatrix, matmul, segment_softmax, segment_sum
@@ -204,8 +213,6 @@ def workloads(g, f: int, dtype, rng: np.random.Generator):
         },
         None,
     )
-    if f == 128 and dtype == jnp.float32:
-        yield gcn_step(g, adj, rng)
     if f <= 16:  # attention heads
         yield (
             "softmax",
@@ -294,6 +301,138 @@ def jraph_step(rng: np.random.Generator, graphs=64, nodes=512, edges=4096, hidde
     return "jraph step", systems, None
 
 
+def gat_step(g, rng: np.random.Generator, heads: int = 8, hidden: int = 8, n_in: int = 64):
+    """``(workload, systems, None)``: one training step of a two-layer GAT (``heads``
+    x ``hidden`` attention, then one head over 2 classes) on random ``(m, n_in)``
+    features: jaxcsr's ``edge_softmax`` and per-head products against the jax.ops
+    composition (``segment_max``, ``exp``, ``segment_sum``, ``segment_sum`` of the
+    weighted messages) on the same edges."""
+    m = g.num_nodes
+    A = CSRMatrix.from_coo(g.dst, g.src, shape=(m, m))
+    order = np.asarray(A.input_order)
+    dst, src = jnp.asarray(g.dst[order], jnp.int32), jnp.asarray(g.src[order], jnp.int32)
+
+    def init(shape):
+        return jnp.asarray(rng.normal(0, shape[0] ** -0.5, shape), jnp.float32)
+
+    params = {
+        "w1": init((n_in, heads * hidden)),
+        "a1": init((2, heads, hidden)),
+        "w2": init((heads * hidden, 2)),
+        "a2": init((2, 1, 2)),
+    }
+    x = jnp.asarray(rng.uniform(-1, 1, (m, n_in)), jnp.float32)
+    labels = jnp.asarray(rng.integers(0, 2, (m, 1)), jnp.int32)
+
+    def attend_jaxcsr(wh, scores):
+        alpha = jaxcsr.edge_softmax(A, scores)  # (E, H) in A's CSR order
+        return jax.vmap(lambda a, v: A.with_data(a) @ v, in_axes=(1, 1), out_axes=1)(alpha, wh)
+
+    def attend_ops(wh, scores):
+        peak = jax.ops.segment_max(jax.lax.stop_gradient(scores), dst, m)
+        e = jnp.exp(scores - peak[dst])
+        alpha = e / jax.ops.segment_sum(e, dst, m)[dst]
+        return jax.ops.segment_sum(alpha[:, :, None] * wh[src], dst, m)
+
+    def layer(attend, h, w, a, n_heads):
+        wh = (h @ w).reshape(m, n_heads, -1)
+        el, er = jnp.sum(wh * a[0], -1), jnp.sum(wh * a[1], -1)
+        scores = jax.nn.leaky_relu(el[dst] + er[src], 0.2)
+        return attend(wh, scores)
+
+    def step(attend, p):
+        def loss(p):
+            h = jax.nn.elu(layer(attend, x, p["w1"], p["a1"], heads).reshape(m, -1))
+            logits = layer(attend, h, p["w2"], p["a2"], 1)[:, 0, :]
+            return -jnp.mean(jnp.take_along_axis(jax.nn.log_softmax(logits), labels, axis=1))
+
+        value, grads = jax.value_and_grad(loss)(p)
+        return value, jax.tree.map(lambda w, gr: w - 0.1 * gr, p, grads)
+
+    systems = {
+        name: (jax.jit(functools.partial(step, fn)), (params,))
+        for name, fn in (("jaxcsr", attend_jaxcsr), ("jax.ops", attend_ops))
+    }
+    return f"gat step ({heads}x{hidden})", systems, None
+
+
+MOLECULES, MOLECULE_NODES, MOLECULE_EDGES = 64, 64 * 40 + 64, 64 * 2 * 48
+"""The padded molecule batch: 64 graphs of 10-40 atoms, node and edge padding."""
+
+
+def _molecule_batch(rng: np.random.Generator):
+    """Senders, receivers and graph of each node of 64 random molecule-like graphs (a
+    chain of 10-40 atoms plus 1-8 extra bonds, both directions), padded as jraph pads:
+    padding edges and nodes point at one padding node of one padding graph."""
+    senders, receivers, graph_of_node, offset = [], [], [], 0
+    for gid in range(MOLECULES):
+        n = int(rng.integers(10, 41))
+        bonds = [(i, i + 1) for i in range(n - 1)]
+        bonds += [tuple(rng.choice(n, 2, replace=False)) for _ in range(int(rng.integers(1, 9)))]
+        for a, b in bonds:
+            senders += [offset + a, offset + b]
+            receivers += [offset + b, offset + a]
+        graph_of_node += [gid] * n
+        offset += n
+    pad = MOLECULE_EDGES - len(senders)
+    senders += [MOLECULE_NODES - 1] * pad
+    receivers += [MOLECULE_NODES - 1] * pad
+    graph_of_node += [MOLECULES] * (MOLECULE_NODES - offset)
+    return tuple(jnp.asarray(a, jnp.int32) for a in (senders, receivers, graph_of_node))
+
+
+def molecule_step(rng: np.random.Generator, features: int = 64):
+    """``(workload, systems, None)``: a training step of a two-layer attention
+    message-passing network on a padded batch of molecules whose ids are jit arguments
+    (a jraph batch): per-edge scores, ``segment_softmax`` over receivers, weighted
+    ``segment_sum``, then a sum-pool per graph; jaxcsr's functions against jax.ops'
+    (the softmax as its composition) with the same arguments."""
+    senders, receivers, graph_of_node = _molecule_batch(rng)
+    n = MOLECULE_NODES
+
+    def init(shape):
+        return jnp.asarray(rng.normal(0, shape[0] ** -0.5, shape), jnp.float32)
+
+    params = [
+        {"q": init((features, features)), "k": init((features, features)),
+         "msg": init((features, features)), "self": init((features, features))}
+        for _ in range(2)
+    ]  # fmt: skip
+    head = init((features, 1))
+    h0 = jnp.asarray(rng.standard_normal((n, features)), jnp.float32)
+    target = jnp.asarray(rng.standard_normal((MOLECULES + 1, 1)), jnp.float32)
+
+    def ops_softmax(x, ids, num):
+        return _ops_softmax(x, ids, num)
+
+    def step(segment, softmax, p, s, r, pool):
+        def loss(p):
+            h = h0
+            for layer in p[0]:
+                q, k = (h @ layer["q"])[r], (h @ layer["k"])[s]
+                alpha = softmax(jnp.sum(q * k, -1, keepdims=True) / 8.0, r, n)
+                messages = alpha * jax.nn.relu(h[s] @ layer["msg"])
+                h = jax.nn.relu(h @ layer["self"] + segment(messages, r, n))
+            pred = segment(h, pool, MOLECULES + 1) @ p[1]
+            return jnp.mean((pred[:-1] - target[:-1]) ** 2)
+
+        value, grads = jax.value_and_grad(loss)(p)
+        return value, jax.tree.map(lambda w, gr: w - 1e-3 * gr, p, grads)
+
+    args = ((params, head), senders, receivers, graph_of_node)
+    systems = {
+        "jaxcsr": (jax.jit(functools.partial(step, segment_sum, segment_softmax)), args),
+        "jax.ops": (jax.jit(functools.partial(step, jax.ops.segment_sum, ops_softmax)), args),
+    }
+    return f"molecule step ({MOLECULES} graphs, N={features})", systems, None
+
+
+def model_steps(g, rng: np.random.Generator):
+    """The whole-step workloads of one graph: GCN (hidden 128) and GAT (8 x 8)."""
+    yield gcn_step(g, g.normalized_adjacency(), rng)
+    yield gat_step(g, rng)
+
+
 def _zero_empty(out):
     return jnp.where(jnp.isfinite(out), out, jnp.zeros((), out.dtype))
 
@@ -315,6 +454,17 @@ def main(argv=None) -> None:
     p.add_argument("--deadline", type=float, default=None, help="seconds; stop starting groups")
     p.add_argument("--any-platform", action="store_true", help="smoke run off a TPU")
     p.add_argument("--append", action="store_true", help="add to --out's tpu.json")
+    p.add_argument(
+        "--workloads",
+        default=None,
+        help="comma list: run only these per-width workloads (copy always runs)",
+    )
+    p.add_argument(
+        "--models",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="whole training steps: GCN and GAT per graph, jraph and molecule batches once",
+    )
     args = p.parse_args(argv)
     if args.schedule_stats:
         print("\n".join(schedule_stats()))
@@ -337,8 +487,15 @@ def main(argv=None) -> None:
                     continue
                 copy_gbps = None
                 groups = workloads(g, f, dtype, rng)
-                if not any(r["workload"] == "jraph step" for r in rows):
-                    groups = itertools.chain(groups, [jraph_step(rng)])
+                if args.workloads:
+                    keep = {"copy", *args.workloads.split(",")}
+                    groups = (group for group in groups if group[0] in keep)
+                if args.models and not any(
+                    r["graph"] == g.name and r["workload"].startswith("gcn") for r in rows
+                ):
+                    groups = itertools.chain(groups, model_steps(g, rng))
+                if args.models and not any(r["workload"] == "jraph step" for r in rows):
+                    groups = itertools.chain(groups, [jraph_step(rng), molecule_step(rng)])
                 for workload, systems, nbytes in groups:
                     cell = {
                         "graph": g.name,
@@ -348,6 +505,8 @@ def main(argv=None) -> None:
                         "dtype": dtype.name,
                         "workload": workload,
                     }
+                    if workload.endswith("step") or " step " in workload:  # its own sizes
+                        cell.update(features="model", dtype="float32")
                     times, outs = {}, {}
                     for name, (fn, fargs) in systems.items():
                         try:
