@@ -127,9 +127,10 @@ WIDE_TILE = tpu.Tiling(block_k=256, window=16, block_m=392)
     ids=["pallas", "tpu"],
 )
 def test_feature_major_kernel_matches_float64(rng, dtype, n_features, interpret):
-    """The feature-major sum (values ``(N, nnz)``, output window placed by a lane
-    rotation) with tiles far smaller than the structure: several windows per block,
-    windows starting at every multiple of 8 inside 392-row tiles, an empty last tile,
+    """The feature-major kernel (values ``(N, nnz)``, output window placed by a lane
+    rotation; sums against float64, max/min with the segmented scan along lanes bit
+    for bit against numpy) with tiles far smaller than the structure: several windows
+    per block, windows starting at every multiple of 8 inside 392-row tiles, an empty last tile,
     one row holding half the entries, widths 1 to 100 (not multiples of 8)."""
     num_rows = 3 * WIDE_TILE.block_m + 11
     idx = np.sort(_skewed_ids(rng, 1500, num_rows, 2 * WIDE_TILE.block_m + 30))
@@ -150,12 +151,26 @@ def test_feature_major_kernel_matches_float64(rng, dtype, n_features, interpret)
     expected = np.zeros((num_rows, n_features))
     np.add.at(expected, idx, vals.astype(np.float64))
     assert_close(out, expected, np.float32)  # float32 accumulation of exact values
+    wide = vals.astype(np.float32)
+    for reduce, ufunc, identity in (("max", np.maximum, -np.inf), ("min", np.minimum, np.inf)):
+        got = tpu.spmm_feature_major(
+            jnp.asarray(vals).T,
+            jnp.asarray(rows),
+            jax.tree.map(jnp.asarray, schedule),
+            num_rows=num_rows,
+            reduce=reduce,
+            interpret=interpret,
+        )
+        want = np.full((num_rows, n_features), identity, np.float32)
+        ufunc.at(want, idx, wide)
+        np.testing.assert_array_equal(np.asarray(got), want)  # bit for bit, empty rows too
 
 
 @pytest.mark.parametrize("n_features", [1, 5, 64])
 def test_narrow_sums_run_feature_major_and_take_inf_and_nan(rng, n_features):
     """``A @ v`` with fewer than 128 features runs the feature-major kernel; an inf or
-    NaN sends it to the IEEE (row-major) kernel, which gives numpy's answer."""
+    NaN sends it to the IEEE (row-major) kernel, which gives numpy's answer (max with
+    inf and NaN at narrow widths: ``test_tpu_kernel_keeps_nan_at_wide_features``)."""
     idx = power_law_ids(rng, 600, 70)
     A = CSRMatrix.from_indices(idx, num_rows=70, backends=ALL)
     v = random_values(rng, (600, n_features)).astype(np.float32)
@@ -277,8 +292,9 @@ def test_tiling_depends_on_rows_and_nnz_only():
 
 @pytest.mark.parametrize("n_features", [1, 3, 8, 64, 100, 130])
 def test_each_width_lowers_to_its_kernel_for_tpu(n_features):
-    """Sums of fewer than 128 features lower to the feature-major kernel, wider sums
-    and max/min to the row-major one; forward and backward, float32 and bfloat16."""
+    """Products of fewer than 128 features lower to the feature-major kernel (sum and
+    max), wider ones to the row-major one; forward and backward, float32 and
+    bfloat16."""
     idx = np.array([0, 2, 2, 1, 0, 4, 4, 4, 3, 3, 1])
     A = CSRMatrix.from_indices(idx, num_rows=5, backends=ALL)
     narrow = n_features < 128
@@ -287,7 +303,7 @@ def test_each_width_lowers_to_its_kernel_for_tpu(n_features):
         y = jax.ShapeDtypeStruct((5, n_features), dtype)
         for f, args, feature_major in (
             (lambda v: A @ v, (v,), narrow),
-            (lambda v: jaxcsr.matmul(A, v, reduce="max"), (v,), False),
+            (lambda v: jaxcsr.matmul(A, v, reduce="max"), (v,), narrow),
             # the backward of a segment sum is a row gather (XLA), of A.T @ y a sum
             (lambda y: A.T @ y, (y,), False),
         ):
@@ -351,7 +367,7 @@ def test_schedule_stats_for_docs():
         assert float(row.split("|")[-2]) >= 1.0  # never fewer steps than blocks
 
 
-@pytest.mark.parametrize("n_features,reduce", [(32, "max"), (64, "min")])
+@pytest.mark.parametrize("n_features,reduce", [(32, "max"), (64, "min"), (8, "max"), (130, "min")])
 def test_tpu_kernel_keeps_nan_at_wide_features(rng, reduce, n_features):
     """A NaN propagates to its row only, also through the MXU's selection (where
     ``0 * NaN`` would spread it over the window)."""
@@ -403,5 +419,9 @@ def test_tpu_benchmark_runs_off_a_tpu(tmp_path):
         "jraph step",
         "molecule step (64 graphs, N=64)",
     }
-    assert all(r["rel_err_vs_best_peer"] < 1e-5 for r in compared)
+    # a whole training step compounds float32 summation orders (and, on a TPU, default
+    # matmul precision) through layers, softmax and gradient: its loss and new
+    # parameters agree to 1e-4; single products to 1e-5
+    for r in compared:
+        assert r["rel_err_vs_best_peer"] < (1e-4 if r["features"] == "model" else 1e-5), r
     assert "Geometric mean" in (tmp_path / "tpu.md").read_text()

@@ -650,37 +650,88 @@ LANES = 128
 """Vector lanes: the minor dimension of a TPU tile."""
 
 
-def _narrow_sum_kernel(
-    block_ref, tile_ref, span_ref, rows_ref, vals_ref, o_ref, *, tiling, num_parts
+def _nt_select(part: jax.Array, hot: jax.Array) -> jax.Array:
+    """``part @ hot.T`` in float32: ``(N, K) x (W, K) -> (N, W)``."""
+    return lax.dot_general(part, hot, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _feature_major_select(values: jax.Array, hot: jax.Array, num_parts: int) -> jax.Array:
+    """``values @ hot.T`` exactly for a 0/1 ``hot`` (bfloat16): the parts' products."""
+    out = None
+    for part in _parts(values, num_parts):
+        term = _nt_select(part, hot)
+        out = term if out is None else out + term
+    assert out is not None
+    return out
+
+
+def _placed(window: jax.Array, start, wide: int) -> tuple[Any, jax.Array]:
+    """``window`` (``(r, w)``) in a ``(r, wide)`` block shifted right by ``start % 128``
+    (a lane rotation), and the 128-aligned lane offset where the block goes: adding the
+    block at that offset adds ``window`` at ``start`` (a multiple of 8)."""
+    shift = start % LANES
+    rows, w = window.shape
+    block = jnp.concatenate([window, jnp.zeros((rows, wide - w), window.dtype)], axis=1)
+    return pl.multiple_of(start - shift, LANES), pltpu.roll(block, shift, 1)
+
+
+def _feature_major_kernel(
+    block_ref,
+    tile_ref,
+    span_ref,
+    rows_ref,
+    next_ref,
+    vals_ref,
+    o_ref,
+    scan_ref,
+    *,
+    tiling,
+    num_parts,
+    reduce,
 ):
-    del block_ref
     s = pl.program_id(0)
     tile, flags, start, lo = _step_fields(tile_ref, span_ref, s)
     base = tile * tiling.block_m
-    n = o_ref.shape[0]
     wide = _round_up(tiling.window, LANES) + LANES
+    extreme = reduce in _REDUCERS
+    rows = rows_ref[...]
+    if extreme:
+        identity, combine = _REDUCERS[reduce]
+
+        @pl.when((s == 0) | (block_ref[s] != block_ref[jnp.maximum(s - 1, 0)]))
+        def _scan():  # once per block: each row's max/min at its last entry
+            lane = lax.broadcasted_iota(jnp.int32, rows.shape, 1)
+            vals = vals_ref[...].astype(jnp.float32)
+            shift = 1
+            while shift < tiling.block_k:
+                same = (pltpu.roll(rows, shift, 1) == rows) & (lane >= shift)
+                vals = jnp.where(same, combine(vals, pltpu.roll(vals, shift, 1)), vals)
+                shift *= 2
+            scan_ref[...] = vals
 
     @pl.when((flags & FIRST) != 0)
-    def _zero():
-        o_ref[...] = jnp.zeros_like(o_ref)
+    def _first():
+        fill = identity if extreme else 0.0
+        o_ref[...] = jnp.full(o_ref.shape, fill, o_ref.dtype)
 
     @pl.when((flags & SKIP) == 0)
     def _accumulate():
-        hot = _onehot(rows_ref[...], base, start, lo, tiling.window).astype(jnp.bfloat16)
-        acc = None
-        for part in _parts(vals_ref[...], num_parts):
-            term = lax.dot_general(
-                part, hot, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32
-            )
-            acc = term if acc is None else acc + term
-        assert acc is not None
-        # out[:, start:start + window] += acc, as an add over a 128-aligned lane range:
-        # the window is shifted into place by a lane rotation (starts are multiples of 8)
-        shift = start % LANES
-        aligned = pl.multiple_of(start - shift, LANES)
-        placed = jnp.concatenate([acc, jnp.zeros((n, wide - tiling.window), jnp.float32)], axis=1)
-        placed = pltpu.roll(placed, shift, 1)
-        o_ref[:, pl.ds(aligned, wide)] += placed
+        onehot = _onehot(rows, base, start, lo, tiling.window)
+        if not extreme:
+            part = _feature_major_select(vals_ref[...], onehot.astype(jnp.bfloat16), num_parts)
+            aligned, placed = _placed(part, start, wide)
+            o_ref[:, pl.ds(aligned, wide)] += placed
+            return
+        lane = lax.broadcasted_iota(jnp.int32, rows.shape, 1)
+        last = (next_ref[...] != rows) | (lane == tiling.block_k - 1)
+        pick = (onehot & last).astype(jnp.bfloat16)  # each row's last entry in the block
+        part = _feature_major_select(scan_ref[...], pick, num_parts)
+        hits = _nt_select(jnp.ones((1, tiling.block_k), jnp.bfloat16), pick)
+        aligned, placed = _placed(part, start, wide)
+        _, present = _placed(hits, start, wide)
+        current = o_ref[:, pl.ds(aligned, wide)]
+        merged = jnp.where(jnp.isnan(current), current, combine(current, placed))
+        o_ref[:, pl.ds(aligned, wide)] = jnp.where(present > 0, merged, current)
 
 
 def spmm_feature_major(
@@ -689,25 +740,32 @@ def spmm_feature_major(
     schedule: Schedule,
     *,
     num_rows: int,
+    reduce: str = "sum",
     interpret: bool | pltpu.InterpretParams = False,
 ) -> jax.Array:
-    """``out[rows[k]] += values_t[:, k]``, feature-major: the sum of :func:`spmm` for
-    narrow widths, reading ``values_t`` lane-dense along the nonzeros.
+    """:func:`spmm` for narrow widths, feature-major: ``values_t`` is ``(N, nnz)``,
+    read lane-dense along the nonzeros.
 
     A TPU stores an ``(nnz, N)`` array with fewer than 128 features column-major, so
     ``values.T`` is free and a ``(N, block_k)`` block is one dense DMA, where
     :func:`spmm`'s ``(block_k, N)`` block would pad each row to 128 lanes. Each step
     multiplies the block by its one-hot window on the MXU, ``(N, block_k) @ (block_k,
-    window)``: the MXU streams ``N`` rows instead of ``window``. Same schedule and rows
-    as :func:`spmm`; finite values only (``spmm(..., ieee=True)`` takes the others).
+    window)``: the MXU streams ``N`` rows instead of ``window``, and the window is
+    added to the output tile (held transposed, ``(N, rows)``) by a lane rotation.
+    ``reduce="max"``/``"min"``: the segmented scan runs along the lanes of the block,
+    once per block, and the one-hot of each row's last entry selects the results. Same
+    schedule and rows as :func:`spmm`, and the same contract for non-finite values
+    (an output that is not finite is recomputed by ``spmm(..., ieee=True)``).
 
     Args:
       values_t: ``(N, nnz)`` bfloat16 or float32, the nonzeros in CSR order.
-      rows, schedule, num_rows, interpret: as for :func:`spmm`.
+      rows, schedule, num_rows, reduce, interpret: as for :func:`spmm`.
 
     Returns:
-      ``(m, N)`` float32.
+      ``(m, N)`` float32; rows without nonzeros hold 0 (sum) or -inf/+inf (max/min).
     """
+    if reduce != "sum" and reduce not in _REDUCERS:
+        raise ValueError(f"reduce must be 'sum', 'max' or 'min', got {reduce!r}")
     t = schedule.tiling
     n, nnz = values_t.shape
     num_k = rows.shape[1] // t.block_k
@@ -715,15 +773,15 @@ def spmm_feature_major(
     tile_lanes = _round_up(t.block_m, LANES) + LANES
     values_t = jnp.pad(values_t, ((0, 0), (0, num_k * t.block_k - nnz)))
     num_parts = 1 if values_t.dtype == jnp.bfloat16 else 3
-    kernel = functools.partial(_narrow_sum_kernel, tiling=t, num_parts=num_parts)
+    kernel = functools.partial(_feature_major_kernel, tiling=t, num_parts=num_parts, reduce=reduce)
+    following = jnp.concatenate([rows[:, 1:], jnp.full((1, 1), -1, rows.dtype)], axis=1)
+    row_spec = pl.BlockSpec((1, t.block_k), lambda s, b, tl, sp: (0, b[s]))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
         grid=(schedule.block.shape[0],),
-        in_specs=[
-            pl.BlockSpec((1, t.block_k), lambda s, b, tl, sp: (0, b[s])),
-            pl.BlockSpec((n, t.block_k), lambda s, b, tl, sp: (0, b[s])),
-        ],
+        in_specs=[row_spec, row_spec, pl.BlockSpec((n, t.block_k), lambda s, b, tl, sp: (0, b[s]))],
         out_specs=pl.BlockSpec((n, tile_lanes), lambda s, b, tl, sp: (0, tl[s] >> _FLAG_BITS)),
+        scratch_shapes=[pltpu.VMEM((n, t.block_k), jnp.float32)],
     )
     out = pl.pallas_call(
         kernel,
@@ -733,17 +791,18 @@ def spmm_feature_major(
             dimension_semantics=("arbitrary",), vmem_limit_bytes=VMEM_LIMIT_BYTES
         ),
         interpret=interpret,
-        name="jaxcsr_window_spmm_feature_major",
-    )(schedule.block, schedule.tile, schedule.span, rows, values_t)
+        name=f"jaxcsr_window_spmm_feature_major_{reduce}",
+    )(schedule.block, schedule.tile, schedule.span, rows, following, values_t)
     out = out.reshape(n, num_m, tile_lanes)[:, :, : t.block_m].reshape(n, num_m * t.block_m)
     return out[:, :num_rows].T
 
 
 def feature_major(n_features: int, reduce: str) -> bool:
-    """Whether a product runs :func:`spmm_feature_major`: sums of fewer than 128
-    features (an ``(nnz, N)`` array with ``N < 128`` is stored column-major on a TPU,
-    so its transpose is free)."""
-    return reduce == "sum" and n_features < LANES
+    """Whether a product runs :func:`spmm_feature_major`: fewer than 128 features (an
+    ``(nnz, N)`` array with ``N < 128`` is stored column-major on a TPU, so its
+    transpose is free), any reduction."""
+    del reduce
+    return n_features < LANES
 
 
 def covers(view: Structure) -> bool:
@@ -783,7 +842,7 @@ def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
     t = choose_tiling(view.shape[0], view.nnz)
     layout = ""
     if n_features is not None and feature_major(n_features, "sum"):
-        layout = "; sums feature-major, max/min row-major"
+        layout = "; feature-major"
     return {
         "pallas_tpu": f"kernel (blocks of {t.block_k} nonzeros, windows of {t.window} rows, "
         f"tiles of {t.block_m} rows{layout})"
@@ -846,7 +905,11 @@ def product(
         return out if reduce == "sum" else zero_empty_rows(out, structure)
 
     if feature_major(values.shape[1], reduce):
-        out = spmm_feature_major(values.T, rows, tiles, num_rows=num_rows, interpret=interpret)
+        out = finished(
+            spmm_feature_major(
+                values.T, rows, tiles, num_rows=num_rows, reduce=reduce, interpret=interpret
+            )
+        )
     else:
         out = finished(run())
     # Not finite only if some value was not (or a float32 sum overflowed): then the
