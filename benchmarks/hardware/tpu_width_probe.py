@@ -6,9 +6,11 @@ For each width ``N`` (float32 values in CSR order of a real graph), times in one
 process: a copy of the values (``v + 1``) and of the same bytes laid out lane-dense
 (``(E * N / 128, 128)``); a Pallas kernel that only streams the value blocks the
 windowed kernel reads (its ceiling for this access pattern); the windowed kernel
-itself, and again with every step on the same block (its arithmetic alone); and a
-*packed* kernel that reads the lane-dense layout, ``128 / N`` entries per lane row, with
-one one-hot per packed group. Times are per call, from ``--calls`` calls dispatched
+itself, and again with every step on the same block (its arithmetic alone); and the
+feature-major kernel on ``values.T`` at several tilings. A *packed* kernel (``128 / N``
+entries per lane row, one one-hot per packed group) was measured with this probe at
+commit 3d4405f (``benchmarks/results/tpu-v5e/width_probe/layouts_packed.json``) and
+removed. Times are per call, from ``--calls`` calls dispatched
 back to back (the ~0.5 ms a blocking call costs is not counted). Sums are checked
 against float64. Writes ``width_probe.json`` under ``--out``.
 """
@@ -25,7 +27,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import scipy.sparse as sp
-from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
@@ -75,72 +76,7 @@ def stream(values, block_rows: int, interpret=False):
     )(values)
 
 
-def _packed_kernel(
-    block_ref, tile_ref, span_ref, r_ref, p_ref, o_ref, *, tiling, groups, width, num_parts
-):
-    del block_ref
-    s = pl.program_id(0)
-    tile, flags, start, lo = tpu._step_fields(tile_ref, span_ref, s)
-    base = tile * tiling.block_m
-    shape = (tiling.window, LANES)
-
-    @pl.when((flags & tpu.FIRST) != 0)
-    def _zero():
-        o_ref[...] = jnp.zeros_like(o_ref)
-
-    @pl.when((flags & tpu.SKIP) == 0)
-    def _accumulate():
-        parts = tpu._parts(p_ref[...], num_parts)
-        group_of_lane = lax.div(lax.broadcasted_iota(jnp.int32, shape, 1), width)
-
-        def body(g, acc):
-            rows = r_ref[pl.ds(g, 1), :]
-            hot = tpu._onehot(rows, base, start, lo, tiling.window).astype(jnp.bfloat16)
-            y = None
-            for part in parts:
-                t = jnp.dot(hot, part, preferred_element_type=jnp.float32)
-                y = t if y is None else y + t
-            return acc + jnp.where(group_of_lane == g, y, 0.0)
-
-        acc = lax.fori_loop(0, groups, body, jnp.zeros(shape, jnp.float32))
-        o_ref[pl.ds(start, tiling.window), :] += acc
-
-
-def packed_spmm(packed, group_rows, schedule, *, num_rows, width, interpret=False):
-    """Sum of a packed ``(E * N / 128, 128)`` operand: ``group_rows[g, p]`` is the row of
-    entry ``p * G + g``; ``schedule`` planned with ``block_k = G * packed rows``."""
-    t = schedule.tiling
-    groups = LANES // width
-    kp = t.block_k // groups
-    num_m = max(1, -(-num_rows // t.block_m))
-    num_parts = 1 if packed.dtype == jnp.bfloat16 else 3
-    kernel = functools.partial(
-        _packed_kernel, tiling=t, groups=groups, width=width, num_parts=num_parts
-    )
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3,
-        grid=(schedule.block.shape[0],),
-        in_specs=[
-            pl.BlockSpec((groups, kp), lambda s, b, tl, sp: (0, b[s])),
-            pl.BlockSpec((kp, LANES), lambda s, b, tl, sp: (b[s], 0)),
-        ],
-        out_specs=pl.BlockSpec(
-            (t.block_m, LANES), lambda s, b, tl, sp: (tl[s] >> tpu._FLAG_BITS, 0)
-        ),
-    )
-    out = pl.pallas_call(
-        kernel,
-        out_shape=jax.ShapeDtypeStruct((num_m * t.block_m, LANES), jnp.float32),
-        grid_spec=grid_spec,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("arbitrary",), vmem_limit_bytes=tpu.VMEM_LIMIT_BYTES
-        ),
-        interpret=interpret,
-    )(schedule.block, schedule.tile, schedule.span, group_rows, packed)
-    return out[:num_rows].reshape(num_rows, groups, width).sum(axis=1)
-
-
-def probe(graph, widths, calls, emit, interpret=False, packed=False):
+def probe(graph, widths, calls, emit, interpret=False):
     g = load_graph(graph)
     m, e = g.num_nodes, g.num_edges
     dst = np.sort(g.dst)
@@ -164,7 +100,6 @@ def probe(graph, widths, calls, emit, interpret=False, packed=False):
         emit(rec)
 
     for n in widths:
-        groups = LANES // n
         v64 = rng.uniform(-1, 1, (e, n))
         ref = onehot @ v64
         v = jnp.asarray(v64, jnp.float32)
@@ -225,43 +160,6 @@ def probe(graph, widths, calls, emit, interpret=False, packed=False):
                 lambda a, r=rows, s=sched, f=fm: f(a.T, r, s),
                 vb,
             )
-        if not packed:
-            continue
-        # lane-dense layout: 128 / N entries per lane row
-        padded = jnp.pad(v, ((0, (-e) % groups), (0, 0)))
-        run(cell, "reshape (E, N) -> (E*N/128, 128)", lambda a: a.reshape(-1, LANES) + 0, padded)
-        for kp, w in ((512, 256), (256, 256), (128, 256), (1024, 128)):
-            if kp * groups > 2**16:
-                continue
-            bk = kp * groups
-            t = tpu.Tiling(bk, w, max(w, default.block_m))
-            plan = tpu.plan_schedule(indptr, t)
-            sched = jax.tree.map(jnp.asarray, plan)
-            ep = max(1, -(-e // bk)) * bk
-            rows = np.full(ep, -1, np.int32)
-            rows[:e] = rows_host
-            group_rows = jnp.asarray(rows.reshape(-1, groups).T.copy())
-            packed = jnp.pad(v, ((0, ep - e), (0, 0))).reshape(-1, LANES)
-            tag = f"kp={kp} entries/block={bk} w={w} steps={plan.num_steps}"
-            run(cell, f"stream packed kp={kp}", lambda a, kp=kp: stream(a, kp, interpret), packed)
-            run(
-                cell,
-                f"packed kernel {tag}",
-                lambda a, r=group_rows, s=sched, n=n: packed_spmm(
-                    a, r, s, num_rows=m, width=n, interpret=interpret
-                ),
-                packed,
-                check=ref,
-            )
-            same = tpu.Schedule(jnp.zeros_like(sched.block), sched.tile, sched.span, t)
-            run(
-                cell,
-                f"packed kernel on one block (arithmetic) {tag}",
-                lambda a, r=group_rows, s=same, n=n: packed_spmm(
-                    a, r, s, num_rows=m, width=n, interpret=interpret
-                ),
-                packed,
-            )
 
 
 def main(argv=None) -> None:
@@ -271,7 +169,6 @@ def main(argv=None) -> None:
     p.add_argument("--calls", type=int, default=20)
     p.add_argument("--out", default="benchmarks/results/tmp-probe")
     p.add_argument("--interpret", action="store_true", help="smoke run on CPU")
-    p.add_argument("--packed", action="store_true", help="also the lane-packed layout")
     args = p.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -290,7 +187,6 @@ def main(argv=None) -> None:
             args.calls,
             emit,
             args.interpret,
-            args.packed,
         )
 
 
