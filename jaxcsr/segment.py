@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcsr import device_plan, kernels, plan
+from jaxcsr.kernels import cpu as cpu_kernels
 from jaxcsr.matrix import CSRMatrix, SparseOperand, matmul
 from jaxcsr.softmax import shifted_exp, softmax_over_rows
 from jaxcsr.validation import (
@@ -377,12 +378,58 @@ def _identity(dtype, reduce: str) -> Any:
     return np.inf if reduce == "min" else -np.inf
 
 
+def _scatter_sum(x: jax.Array, ids: jax.Array, num_segments: int, sorted_ids: bool):
+    """XLA's scatter-add of ``x`` (ids first) as ``jax.ops.segment_sum`` runs it, with
+    out-of-range ids dropped (clipped first for ``mode="clip"``), int64 ids never
+    wrapped, and 16-bit floats accumulated in float32 as every jaxcsr path does."""
+    keep = (ids >= 0) & (ids < num_segments)  # past the end, where XLA drops them
+    ids = jnp.where(keep, ids, num_segments).astype(
+        plan.index_dtype_for(ids.size, num_segments + 1)
+    )
+    narrow_float = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4
+    wide = x.astype(jnp.float32) if narrow_float else x
+    out = jnp.zeros((num_segments, *x.shape[1:]), wide.dtype)
+    out = out.at[ids].add(wide, mode="drop", indices_are_sorted=sorted_ids)
+    return out.astype(x.dtype)
+
+
+def _traced_sum_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis):
+    """A traced segment sum whose CPU lowering scatters (:func:`cpu.traced_sum_scatters`;
+    every other platform plans as usual), or ``None`` where the rule keeps the plan."""
+    data = as_numeric(data, "data")
+    if data.dtype == np.bool_:
+        return None  # the planned path names the error
+    data = _broadcast_to_ids(data, segment_ids, axis)
+    axis = _check_axis(data, axis)
+    x = jnp.moveaxis(data, axis, 0)
+    width = int(np.prod(x.shape[1:]))
+    if not cpu_kernels.traced_sum_scatters(x.shape[0], width):
+        return None
+    ids, m = _traced_ids(segment_ids, num_segments, _mode_argument(mode))
+    _check_length(x, 0, ids.shape[0])
+    if m == 0:
+        return None  # the planned path's constant empty result
+
+    def planned(x, ids):
+        return _reduce(x, ids, m, sorted_ids, None, 0, False, None, "sum", plan_only=True)
+
+    out = jax.lax.platform_dependent(
+        x, ids, cpu=lambda x, ids: _scatter_sum(x, ids, m, sorted_ids), default=planned
+    )
+    return jnp.moveaxis(out, 0, axis)
+
+
 def _reduce(data, segment_ids, num_segments, sorted_ids, mode, axis, return_arg, impl, reduce,
-            empty=0):  # fmt: skip
+            empty=0, plan_only=False):  # fmt: skip
     """The one body of every ``segment_<reduce>``: plan, then ``matmul``; empty segments
     of max/min hold ``empty`` (``None``: the dtype's identity, as ``jax.ops``).
     Boolean data (max/min only) is reduced as integers (max: any; min: all) and
     given back as bool. (``unique_indices`` and ``bucket_size`` are not needed: the plan knows.)"""
+    traced_sum = reduce == "sum" and is_traced(segment_ids) and not return_arg
+    if traced_sum and impl is None and not plan_only:
+        out = _traced_sum_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis)
+        if out is not None:
+            return out
     boolean = _dtype_of(data) == np.bool_
     if boolean:
         if reduce not in ("max", "min"):  # jax.ops rejects bool sums too

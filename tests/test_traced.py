@@ -276,7 +276,7 @@ def test_sorted_flag_reaches_the_plan(rng):
 
     m, size = 30, 500
     ids = np.sort(rng.integers(0, m, size)).astype(np.int32)
-    x = jnp.asarray(random_values(rng, (size, 8)), jnp.float32)
+    x = jnp.asarray(random_values(rng, (size, 64)), jnp.float32)  # narrower: a scatter
 
     def run(sorted_ids):
         return jax.jit(lambda x, ids: jaxcsr.segment_sum(x, ids, m, indices_are_sorted=sorted_ids))
@@ -575,3 +575,56 @@ def test_traced_coordinates_out_of_range_are_dropped_on_every_path(rng, impl):
         CSRMatrix.from_coo(rows[keep], cols[keep], vals[keep], shape=(m, n)), x
     )
     np.testing.assert_array_equal(np.asarray(top), np.asarray(ref))
+
+
+@pytest.mark.parametrize("sorted_ids", [False, True])
+@pytest.mark.parametrize("width", [1, 5, 63, 64])
+def test_narrow_traced_sums_scatter_on_cpu(rng, width, sorted_ids):
+    """On CPU a traced segment sum of fewer than 64 features runs XLA's scatter (no
+    device plan, no native kernel; ``cpu.traced_sum_scatters``), 64 and more the
+    native kernel; both give the float64 sums and gradients, dropping out-of-range
+    ids."""
+    from jaxcsr.kernels import cpu
+
+    m, size = 40, 700
+    ids = rng.integers(-2, m + 3, size).astype(np.int32)
+    ids = np.sort(ids) if sorted_ids else ids
+    x = jnp.asarray(random_values(rng, (size, width)), jnp.float32)
+    ct = jnp.asarray(random_values(rng, (m, width)), jnp.float32)
+
+    def loss(x, ids):
+        return jnp.sum(jaxcsr.segment_sum(x, ids, m, indices_are_sorted=sorted_ids) * ct)
+
+    f = jax.jit(lambda x, ids: jaxcsr.segment_sum(x, ids, m, indices_are_sorted=sorted_ids))
+    keep = ((ids >= 0) & (ids < m))[:, None]
+    expected = np.zeros((m, width))
+    np.add.at(expected, ids[keep[:, 0]], np.asarray(x, np.float64)[keep[:, 0]])
+    assert_close(f(x, ids), expected, np.float32)
+    want = np.where(keep, np.asarray(ct, np.float64)[np.clip(ids, 0, m - 1)], 0.0)
+    assert_close(jax.jit(jax.grad(loss))(x, ids), want, np.float32)
+    compiled = f.lower(x, ids).compile().as_text()
+    scatters = width < 64
+    assert cpu.traced_sum_scatters(size, width) == scatters
+    if scatters:
+        assert not _sorts(f, x, ids)
+    if cpu.available():
+        assert ("jaxcsr_cpu" in compiled) == (not scatters)
+
+
+def test_traced_scatter_rule_and_its_sums():
+    """The rule's size bound, and the scatter's float32 accumulation of 16-bit floats
+    (a bfloat16 scatter would stall near 256 on a long segment of values near 1)."""
+    from jaxcsr.kernels import cpu
+
+    assert cpu.traced_sum_scatters(2**18, 32)
+    assert not cpu.traced_sum_scatters(2**19, 63)  # 2**24 elements and more: the plan
+    assert not cpu.traced_sum_scatters(10, 64)
+    rng = np.random.default_rng(7)
+    x = rng.uniform(0.5, 1.5, (3000, 2))
+    ids = rng.integers(0, 2, 3000).astype(np.int32)
+    for dtype in (jnp.bfloat16, jnp.float16):
+        xd = jnp.asarray(x, dtype)
+        out = jax.jit(lambda x, ids: jaxcsr.segment_sum(x, ids, 3))(xd, ids)
+        assert out.dtype == dtype
+        want = segment_reference(np.asarray(xd.astype(jnp.float32), np.float64), ids, 3)
+        np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-2)

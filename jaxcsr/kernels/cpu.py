@@ -97,7 +97,22 @@ __all__ = [
     "sddmm",
     "softmax",
     "threads",
+    "traced_sum_scatters",
 ]
+
+TRACED_SCATTER_MAX_WIDTH = 64
+TRACED_SCATTER_MAX_ELEMENTS = 2**24
+
+
+def traced_sum_scatters(num_ids: int, width: int) -> bool:
+    """Whether a segment sum of traced ids runs XLA's scatter on CPU (``impl=None``)
+    instead of a device plan (a sort of the ids) and the native kernel: below
+    :data:`TRACED_SCATTER_MAX_WIDTH` features when the values hold fewer than
+    :data:`TRACED_SCATTER_MAX_ELEMENTS` elements. The sort costs per id and the kernel
+    saves per value, so narrow values cannot pay for it
+    (``benchmarks/results/cpu-xeon-avx512/traced_scatter/``)."""
+    return width < TRACED_SCATTER_MAX_WIDTH and num_ids * width < TRACED_SCATTER_MAX_ELEMENTS
+
 
 _TARGETS = {
     "jaxcsr_cpu_arg_search": "JaxcsrArgSearch",
