@@ -379,17 +379,18 @@ def _identity(dtype, reduce: str) -> Any:
 
 
 def _scatter_sum(x: jax.Array, ids: jax.Array, num_segments: int, sorted_ids: bool):
-    """XLA's scatter-add of ``x`` (ids first) as ``jax.ops.segment_sum`` runs it, with
-    out-of-range ids dropped (clipped first for ``mode="clip"``), int64 ids never
-    wrapped, and 16-bit floats accumulated in float32 as every jaxcsr path does."""
-    keep = (ids >= 0) & (ids < num_segments)  # past the end, where XLA drops them
-    ids = jnp.where(keep, ids, num_segments).astype(
-        plan.index_dtype_for(ids.size, num_segments + 1)
-    )
+    """XLA's scatter-add of ``x`` (ids first) as ``jax.ops.segment_sum`` runs it:
+    out-of-range ids dropped (negative ones too; clipped first for ``mode="clip"``),
+    int64 ids past int32 never wrapped into range, and 16-bit floats accumulated in
+    float32, as every jaxcsr path does."""
+    if ids.dtype.itemsize > 4:  # XLA's CPU scatter would wrap int64 ids into range
+        ids = jnp.where((ids >= 0) & (ids < num_segments), ids, -1).astype(jnp.int32)
     narrow_float = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4
     wide = x.astype(jnp.float32) if narrow_float else x
     out = jnp.zeros((num_segments, *x.shape[1:]), wide.dtype)
-    out = out.at[ids].add(wide, mode="drop", indices_are_sorted=sorted_ids)
+    out = out.at[ids].add(
+        wide, mode="drop", indices_are_sorted=sorted_ids, wrap_negative_indices=False
+    )
     return out.astype(x.dtype)
 
 
@@ -403,7 +404,7 @@ def _traced_sum_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis):
     axis = _check_axis(data, axis)
     x = jnp.moveaxis(data, axis, 0)
     width = int(np.prod(x.shape[1:]))
-    if not cpu_kernels.traced_sum_scatters(x.shape[0], width):
+    if not cpu_kernels.traced_sum_scatters(x.shape[0], width, x.dtype):
         return None
     ids, m = _traced_ids(segment_ids, num_segments, _mode_argument(mode))
     _check_length(x, 0, ids.shape[0])

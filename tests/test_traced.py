@@ -619,10 +619,13 @@ def test_traced_scatter_rule_and_its_sums():
     assert cpu.traced_sum_scatters(2**18, 32)
     assert not cpu.traced_sum_scatters(2**19, 63)  # 2**24 elements and more: the plan
     assert not cpu.traced_sum_scatters(10, 64)
+    assert cpu.traced_sum_scatters(10, 15, jnp.bfloat16)
+    assert not cpu.traced_sum_scatters(10, 16, jnp.bfloat16)  # the kernel reads half
+    assert cpu.traced_sum_scatters(10, 16, np.int32)
     rng = np.random.default_rng(7)
     x = rng.uniform(0.5, 1.5, (3000, 2))
     ids = rng.integers(0, 2, 3000).astype(np.int32)
-    for dtype in (jnp.bfloat16, jnp.float16):
+    for dtype in (jnp.bfloat16, jnp.float16):  # two features: the scatter
         xd = jnp.asarray(x, dtype)
         out = jax.jit(lambda x, ids: jaxcsr.segment_sum(x, ids, 3))(xd, ids)
         assert out.dtype == dtype

@@ -70,6 +70,7 @@ import functools
 import os
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -101,17 +102,22 @@ __all__ = [
 ]
 
 TRACED_SCATTER_MAX_WIDTH = 64
+TRACED_SCATTER_MAX_WIDTH_16BIT = 16
 TRACED_SCATTER_MAX_ELEMENTS = 2**24
 
 
-def traced_sum_scatters(num_ids: int, width: int) -> bool:
+def traced_sum_scatters(num_ids: int, width: int, dtype: Any = np.float32) -> bool:
     """Whether a segment sum of traced ids runs XLA's scatter on CPU (``impl=None``)
-    instead of a device plan (a sort of the ids) and the native kernel: below
-    :data:`TRACED_SCATTER_MAX_WIDTH` features when the values hold fewer than
-    :data:`TRACED_SCATTER_MAX_ELEMENTS` elements. The sort costs per id and the kernel
-    saves per value, so narrow values cannot pay for it
-    (``benchmarks/results/cpu-xeon-avx512/traced_scatter/``)."""
-    return width < TRACED_SCATTER_MAX_WIDTH and num_ids * width < TRACED_SCATTER_MAX_ELEMENTS
+    instead of the native kernel: below :data:`TRACED_SCATTER_MAX_WIDTH` features
+    (:data:`TRACED_SCATTER_MAX_WIDTH_16BIT` for 16-bit floats, which the kernel reads
+    at half the bytes and XLA scatters in float32) when the values hold fewer than
+    :data:`TRACED_SCATTER_MAX_ELEMENTS` elements. The kernel's per-call cost (pieces
+    with private partial outputs) is repaid per value, so narrow values cannot repay
+    it (``benchmarks/results/cpu-xeon-avx512/traced_scatter/``)."""
+    dtype = np.dtype(dtype)
+    sixteen_bit = np.issubdtype(dtype, np.floating) and dtype.itemsize < 4
+    limit = TRACED_SCATTER_MAX_WIDTH_16BIT if sixteen_bit else TRACED_SCATTER_MAX_WIDTH
+    return width < limit and num_ids * width < TRACED_SCATTER_MAX_ELEMENTS
 
 
 _TARGETS = {
