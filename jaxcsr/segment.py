@@ -35,7 +35,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcsr import device_plan, kernels, plan
-from jaxcsr.kernels import cpu as cpu_kernels
 from jaxcsr.matrix import CSRMatrix, SparseOperand, matmul
 from jaxcsr.softmax import shifted_exp, softmax_over_rows
 from jaxcsr.validation import (
@@ -395,8 +394,9 @@ def _scatter_sum(x: jax.Array, ids: jax.Array, num_segments: int, sorted_ids: bo
 
 
 def _traced_sum_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis):
-    """A traced segment sum whose CPU lowering scatters (:func:`cpu.traced_sum_scatters`;
-    every other platform plans as usual), or ``None`` where the rule keeps the plan."""
+    """A traced segment sum whose CPU lowering scatters
+    (:func:`kernels.traced_sum_scatters_on_cpu`; every other platform plans as usual),
+    or ``None`` where the rule keeps the plan."""
     data = as_numeric(data, "data")
     if data.dtype == np.bool_:
         return None  # the planned path names the error
@@ -404,7 +404,7 @@ def _traced_sum_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis):
     axis = _check_axis(data, axis)
     x = jnp.moveaxis(data, axis, 0)
     width = int(np.prod(x.shape[1:]))
-    if not cpu_kernels.traced_sum_scatters(x.shape[0], width, x.dtype):
+    if not kernels.traced_sum_scatters_on_cpu(x.shape[0], width, x.dtype):
         return None
     ids, m = _traced_ids(segment_ids, num_segments, _mode_argument(mode))
     _check_length(x, 0, ids.shape[0])

@@ -48,6 +48,7 @@ __all__ = [
     "platform_kernel",
     "register",
     "resolve_backends",
+    "traced_sum_scatters_on_cpu",
 ]
 
 
@@ -363,3 +364,9 @@ def resolve_backends(backends: Any) -> tuple[str, ...]:
             if name not in BACKENDS:
                 raise ValueError(f"backends: unknown backend {name!r}; known: {tuple(BACKENDS)}")
     return tuple(sorted(set(names) | {FALLBACK}))
+
+
+def traced_sum_scatters_on_cpu(num_ids: int, width: int, dtype: Any) -> bool:
+    """Whether ``segment_sum`` of traced ids lowers to XLA's scatter on CPU
+    (:func:`jaxcsr.kernels.cpu.traced_sum_scatters`)."""
+    return cpu.traced_sum_scatters(num_ids, width, dtype)

@@ -115,7 +115,7 @@ def traced_sum_scatters(num_ids: int, width: int, dtype: Any = np.float32) -> bo
     with private partial outputs) is repaid per value, so narrow values cannot repay
     it (``benchmarks/results/cpu-xeon-avx512/traced_scatter/``)."""
     dtype = np.dtype(dtype)
-    sixteen_bit = np.issubdtype(dtype, np.floating) and dtype.itemsize < 4
+    sixteen_bit = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
     limit = TRACED_SCATTER_MAX_WIDTH_16BIT if sixteen_bit else TRACED_SCATTER_MAX_WIDTH
     return width < limit and num_ids * width < TRACED_SCATTER_MAX_ELEMENTS
 
