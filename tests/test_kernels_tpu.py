@@ -140,20 +140,9 @@ def test_feature_major_kernel_matches_float64(rng, dtype, n_features, interpret)
     assert len(set(starts % 128)) > 4  # windows at many lane offsets
     vals = random_values(rng, (1500, n_features)).astype(dtype)
     rows = tpu.padded_rows(tpu.host_rows(indptr), WIDE_TILE.block_k, np)
-    out = tpu.spmm_feature_major(
-        jnp.asarray(vals).T,
-        jnp.asarray(rows),
-        jax.tree.map(jnp.asarray, schedule),
-        num_rows=num_rows,
-        interpret=interpret,
-    )
-    assert out.shape == (num_rows, n_features) and out.dtype == jnp.float32
-    expected = np.zeros((num_rows, n_features))
-    np.add.at(expected, idx, vals.astype(np.float64))
-    assert_close(out, expected, np.float32)  # float32 accumulation of exact values
-    wide = vals.astype(np.float32)
-    for reduce, ufunc, identity in (("max", np.maximum, -np.inf), ("min", np.minimum, np.inf)):
-        got = tpu.spmm_feature_major(
+
+    def kernel(reduce):
+        return tpu.spmm_feature_major(
             jnp.asarray(vals).T,
             jnp.asarray(rows),
             jax.tree.map(jnp.asarray, schedule),
@@ -161,9 +150,17 @@ def test_feature_major_kernel_matches_float64(rng, dtype, n_features, interpret)
             reduce=reduce,
             interpret=interpret,
         )
+
+    out = kernel("sum")
+    assert out.shape == (num_rows, n_features) and out.dtype == jnp.float32
+    expected = np.zeros((num_rows, n_features))
+    np.add.at(expected, idx, vals.astype(np.float64))
+    assert_close(out, expected, np.float32)  # float32 accumulation of exact values
+    wide = vals.astype(np.float32)
+    for reduce, ufunc, identity in (("max", np.maximum, -np.inf), ("min", np.minimum, np.inf)):
         want = np.full((num_rows, n_features), identity, np.float32)
         ufunc.at(want, idx, wide)
-        np.testing.assert_array_equal(np.asarray(got), want)  # bit for bit, empty rows too
+        np.testing.assert_array_equal(np.asarray(kernel(reduce)), want)  # bits, empty rows
 
 
 @pytest.mark.parametrize("n_features", [1, 5, 64])

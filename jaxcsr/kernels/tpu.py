@@ -399,13 +399,24 @@ def _parts(values: jax.Array, num_parts: int) -> tuple[jax.Array, ...]:
     return hi, mid, lo
 
 
-def _select(onehot: jax.Array, values: jax.Array, num_parts: int) -> jax.Array:
+def _nt_select(part: jax.Array, hot: jax.Array) -> jax.Array:
+    """``part @ hot.T`` in float32: ``(N, K) x (W, K) -> (N, W)``."""
+    return lax.dot_general(part, hot, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+
+
+def _select(
+    onehot: jax.Array, values: jax.Array, num_parts: int, *, feature_major: bool = False
+) -> jax.Array:
     """``onehot @ values`` in float32 on the MXU, exact for a 0/1 ``onehot``: the sum of
-    the parts' products (:func:`_parts`)."""
+    the parts' products (:func:`_parts`). ``feature_major``: ``values`` is ``(N, K)``
+    and the result ``values @ onehot.T``, ``(N, W)``."""
     hot = onehot.astype(jnp.bfloat16)
     out = None
     for part in _parts(values, num_parts):
-        term = jnp.dot(hot, part, preferred_element_type=jnp.float32)
+        if feature_major:
+            term = _nt_select(part, hot)
+        else:
+            term = jnp.dot(hot, part, preferred_element_type=jnp.float32)
         out = term if out is None else out + term
     assert out is not None
     return out
@@ -471,18 +482,31 @@ def _row_column(rows: jax.Array) -> jax.Array:
     return jnp.transpose(wide)[:, :1]
 
 
-def _segmented_scan(vals: jax.Array, col: jax.Array, combine) -> jax.Array:
-    """Inclusive scan of ``combine`` down ``vals``, restarting where the row id
-    (``col``, ``(n, 1)``) changes: each row's result ends up at its last entry."""
-    k = vals.shape[0]
-    pos = lax.broadcasted_iota(jnp.int32, (k, 1), 0)
+def _segmented_scan(vals: jax.Array, ids: jax.Array, combine, axis: int = 0) -> jax.Array:
+    """Inclusive scan of ``combine`` along ``axis`` of ``vals``, restarting where the row
+    id changes (``ids``: ``(n, 1)`` down the sublanes, or ``(1, n)`` along the lanes):
+    each row's result ends up at its last entry."""
+    k = vals.shape[axis]
+    pos = lax.broadcasted_iota(jnp.int32, ids.shape, axis)
     shift = 1
     while shift < k:
-        prev = pltpu.roll(vals, shift, 0)
-        same = (pltpu.roll(col, shift, 0) == col) & (pos >= shift)
+        prev = pltpu.roll(vals, shift, axis)
+        same = (pltpu.roll(ids, shift, axis) == ids) & (pos >= shift)
         vals = jnp.where(same, combine(vals, prev), vals)
         shift *= 2
     return vals
+
+
+def _following(rows: jax.Array) -> jax.Array:
+    """``(1, n)``: the row of the next nonzero, -1 after the last (for :func:`_last`)."""
+    return jnp.concatenate([rows[:, 1:], jnp.full((1, 1), -1, rows.dtype)], axis=1)
+
+
+def _last(rows: jax.Array, following: jax.Array, offset, block_k: int) -> jax.Array:
+    """``(1, n)`` bool: the nonzero is its row's last in the block (``rows`` start at
+    ``offset`` within a block of ``block_k``)."""
+    lane = lax.broadcasted_iota(jnp.int32, rows.shape, 1) + offset
+    return (following != rows) | (lane == block_k - 1)
 
 
 def _extreme_kernel(
@@ -531,8 +555,7 @@ def _extreme_kernel(
             acc, present = carry
             rows = rows_ref[:, pl.ds(offset, chunk)]
             onehot = _onehot(rows, base, start, lo, tiling.window)
-            lane = lax.broadcasted_iota(jnp.int32, rows.shape, 1) + offset
-            last = (next_ref[:, pl.ds(offset, chunk)] != rows) | (lane == tiling.block_k - 1)
+            last = _last(rows, next_ref[:, pl.ds(offset, chunk)], offset, tiling.block_k)
             pick = onehot & last  # each row's last nonzero of the block
             hit = jnp.max(jnp.where(pick, 1.0, 0.0), axis=1, keepdims=True)
             acc = acc + select(pick, scan_ref[pl.ds(offset, chunk), :])
@@ -620,9 +643,8 @@ def spmm(
         kernel = functools.partial(
             _extreme_kernel, tiling=t, chunk=chunk, select=select, reduce=reduce
         )
-        following = jnp.concatenate([rows[:, 1:], jnp.full((1, 1), -1, rows.dtype)], axis=1)
         in_specs = [row_spec, row_spec, val_spec]
-        operands = [rows, following, values]
+        operands = [rows, _following(rows), values]
         scratch = [pltpu.VMEM((t.block_k, block_n), jnp.float32)]
     else:
         raise ValueError(f"reduce must be 'sum', 'max' or 'min', got {reduce!r}")
@@ -648,21 +670,6 @@ def spmm(
 
 LANES = 128
 """Vector lanes: the minor dimension of a TPU tile."""
-
-
-def _nt_select(part: jax.Array, hot: jax.Array) -> jax.Array:
-    """``part @ hot.T`` in float32: ``(N, K) x (W, K) -> (N, W)``."""
-    return lax.dot_general(part, hot, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
-
-
-def _feature_major_select(values: jax.Array, hot: jax.Array, num_parts: int) -> jax.Array:
-    """``values @ hot.T`` exactly for a 0/1 ``hot`` (bfloat16): the parts' products."""
-    out = None
-    for part in _parts(values, num_parts):
-        term = _nt_select(part, hot)
-        out = term if out is None else out + term
-    assert out is not None
-    return out
 
 
 def _placed(window: jax.Array, start, wide: int) -> tuple[Any, jax.Array]:
@@ -700,14 +707,8 @@ def _feature_major_kernel(
 
         @pl.when((s == 0) | (block_ref[s] != block_ref[jnp.maximum(s - 1, 0)]))
         def _scan():  # once per block: each row's max/min at its last entry
-            lane = lax.broadcasted_iota(jnp.int32, rows.shape, 1)
             vals = vals_ref[...].astype(jnp.float32)
-            shift = 1
-            while shift < tiling.block_k:
-                same = (pltpu.roll(rows, shift, 1) == rows) & (lane >= shift)
-                vals = jnp.where(same, combine(vals, pltpu.roll(vals, shift, 1)), vals)
-                shift *= 2
-            scan_ref[...] = vals
+            scan_ref[...] = _segmented_scan(vals, rows, combine, axis=1)
 
     @pl.when((flags & FIRST) != 0)
     def _first():
@@ -718,15 +719,13 @@ def _feature_major_kernel(
     def _accumulate():
         onehot = _onehot(rows, base, start, lo, tiling.window)
         if not extreme:
-            part = _feature_major_select(vals_ref[...], onehot.astype(jnp.bfloat16), num_parts)
+            part = _select(onehot, vals_ref[...], num_parts, feature_major=True)
             aligned, placed = _placed(part, start, wide)
             o_ref[:, pl.ds(aligned, wide)] += placed
             return
-        lane = lax.broadcasted_iota(jnp.int32, rows.shape, 1)
-        last = (next_ref[...] != rows) | (lane == tiling.block_k - 1)
-        pick = (onehot & last).astype(jnp.bfloat16)  # each row's last entry in the block
-        part = _feature_major_select(scan_ref[...], pick, num_parts)
-        hits = _nt_select(jnp.ones((1, tiling.block_k), jnp.bfloat16), pick)
+        pick = onehot & _last(rows, next_ref[...], 0, tiling.block_k)  # rows' last entries
+        part = _select(pick, scan_ref[...], num_parts, feature_major=True)
+        hits = _nt_select(jnp.ones((1, tiling.block_k), jnp.bfloat16), pick.astype(jnp.bfloat16))
         aligned, placed = _placed(part, start, wide)
         _, present = _placed(hits, start, wide)
         current = o_ref[:, pl.ds(aligned, wide)]
@@ -774,7 +773,6 @@ def spmm_feature_major(
     values_t = jnp.pad(values_t, ((0, 0), (0, num_k * t.block_k - nnz)))
     num_parts = 1 if values_t.dtype == jnp.bfloat16 else 3
     kernel = functools.partial(_feature_major_kernel, tiling=t, num_parts=num_parts, reduce=reduce)
-    following = jnp.concatenate([rows[:, 1:], jnp.full((1, 1), -1, rows.dtype)], axis=1)
     row_spec = pl.BlockSpec((1, t.block_k), lambda s, b, tl, sp: (0, b[s]))
     grid_spec = pltpu.PrefetchScalarGridSpec(
         num_scalar_prefetch=3,
@@ -792,7 +790,7 @@ def spmm_feature_major(
         ),
         interpret=interpret,
         name=f"jaxcsr_window_spmm_feature_major_{reduce}",
-    )(schedule.block, schedule.tile, schedule.span, rows, following, values_t)
+    )(schedule.block, schedule.tile, schedule.span, rows, _following(rows), values_t)
     out = out.reshape(n, num_m, tile_lanes)[:, :, : t.block_m].reshape(n, num_m * t.block_m)
     return out[:, :num_rows].T
 
