@@ -35,6 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcsr import device_plan, kernels, plan
+from jaxcsr.dtypes import accumulation_dtype
 from jaxcsr.matrix import CSRMatrix, SparseOperand, matmul
 from jaxcsr.softmax import shifted_exp, softmax_over_rows
 from jaxcsr.validation import (
@@ -317,10 +318,8 @@ def _prepare(
     ``name`` is what errors call ``data``; ``floating`` asks for a floating dtype;
     ``sorted_ids`` is ``indices_are_sorted`` (traced ids: a :class:`_SortedOrNot`). Like
     ``jax.ops``, a 0-d ``data`` (or a length-1 leading axis) is broadcast to every id."""
-    data = as_numeric(data, name, floating=floating)
     segment_ids = _ids_argument(segment_ids)
-    data = _broadcast_to_ids(data, segment_ids, axis)
-    axis = _check_axis(data, axis)
+    data, axis = _checked_data(data, segment_ids, axis, name, floating)
     backends = _backends_for(impl)
     A: CSRMatrix | _SortedOrNot
     if sorted_ids and is_traced(segment_ids):
@@ -329,6 +328,16 @@ def _prepare(
         A = segment_matrix(segment_ids, num_segments, mode, backends=backends)
     _check_length(data, axis, A.shape[1])
     return A, jnp.moveaxis(data, axis, 0), axis
+
+
+def _checked_data(
+    data: Any, segment_ids: Any, axis: Any, name: str = "data", floating: bool = False
+) -> tuple[jax.Array, int]:
+    """``data`` checked (dtype first), broadcast to one row per id where ``jax.ops``
+    broadcasts it, and its checked ``axis``."""
+    data = as_numeric(data, name, floating=floating)
+    data = _broadcast_to_ids(data, segment_ids, axis)
+    return data, _check_axis(data, axis)
 
 
 def _check_length(data: jax.Array, axis: int, num_ids: int) -> None:
@@ -380,12 +389,12 @@ def _identity(dtype, reduce: str) -> Any:
 def _scatter_sum(x: jax.Array, ids: jax.Array, num_segments: int, sorted_ids: bool):
     """XLA's scatter-add of ``x`` (ids first) as ``jax.ops.segment_sum`` runs it:
     out-of-range ids dropped (negative ones too; clipped first for ``mode="clip"``),
-    int64 ids past int32 never wrapped into range, and 16-bit floats accumulated in
-    float32, as every jaxcsr path does."""
+    int64 ids past int32 never wrapped into range, and the sum carried in
+    :func:`~jaxcsr.dtypes.accumulation_dtype` (float32 for 16-bit floats), as every
+    jaxcsr path does."""
     if ids.dtype.itemsize > 4:  # XLA's CPU scatter would wrap int64 ids into range
         ids = jnp.where((ids >= 0) & (ids < num_segments), ids, -1).astype(jnp.int32)
-    narrow_float = jnp.issubdtype(x.dtype, jnp.floating) and x.dtype.itemsize < 4
-    wide = x.astype(jnp.float32) if narrow_float else x
+    wide = x.astype(accumulation_dtype(x.dtype))
     out = jnp.zeros((num_segments, *x.shape[1:]), wide.dtype)
     out = out.at[ids].add(
         wide, mode="drop", indices_are_sorted=sorted_ids, wrap_negative_indices=False
@@ -397,11 +406,9 @@ def _traced_sum_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis):
     """A traced segment sum whose CPU lowering scatters
     (:func:`kernels.traced_sum_scatters_on_cpu`; every other platform plans as usual),
     or ``None`` where the rule keeps the plan."""
-    data = as_numeric(data, "data")
+    data, axis = _checked_data(data, segment_ids, axis)
     if data.dtype == np.bool_:
         return None  # the planned path names the error
-    data = _broadcast_to_ids(data, segment_ids, axis)
-    axis = _check_axis(data, axis)
     x = jnp.moveaxis(data, axis, 0)
     width = int(np.prod(x.shape[1:]))
     if not kernels.traced_sum_scatters_on_cpu(x.shape[0], width, x.dtype):
