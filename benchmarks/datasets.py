@@ -68,3 +68,41 @@ def load_graph(name_or_path: str) -> Graph:
     if mat.shape[0] != mat.shape[1]:
         raise ValueError(f"{path} is not a square adjacency matrix: shape {mat.shape}")
     return Graph(path.stem, mat.col.astype(np.int64), mat.row.astype(np.int64), mat.shape[0])
+
+
+def padded_molecules(
+    rng: np.random.Generator,
+    graphs: int,
+    atoms: tuple[int, int],
+    extra_bonds: tuple[int, int],
+    nodes: int,
+    edges: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """One padded batch of ``graphs`` random molecule-like graphs, as jraph pads one.
+
+    Each graph is a chain of ``rng.integers(*atoms)`` atoms plus
+    ``rng.integers(*extra_bonds)`` random bonds, every bond in both directions. The
+    padding edges point at the last node; the padding nodes form graph ``graphs``.
+
+    Returns:
+      ``senders``, ``receivers`` (``(edges,)`` int32) and each node's graph
+      (``(nodes,)`` int32).
+    """
+    senders, receivers, graph_of_node, offset = [], [], [], 0
+    for g in range(graphs):
+        n = int(rng.integers(*atoms))
+        bonds = [(i, i + 1) for i in range(n - 1)]
+        bonds += [
+            tuple(rng.choice(n, 2, replace=False)) for _ in range(int(rng.integers(*extra_bonds)))
+        ]
+        for a, b in bonds:
+            senders += [offset + a, offset + b]
+            receivers += [offset + b, offset + a]
+        graph_of_node += [g] * n
+        offset += n
+    assert offset < nodes and len(senders) <= edges, (offset, len(senders))
+    pad_edges = edges - len(senders)
+    senders += [nodes - 1] * pad_edges
+    receivers += [nodes - 1] * pad_edges
+    graph_of_node += [graphs] * (nodes - offset)
+    return tuple(np.asarray(a, np.int32) for a in (senders, receivers, graph_of_node))

@@ -61,7 +61,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent.parent))
 
 import jaxcsr
-from benchmarks.datasets import load_graph
+from benchmarks.datasets import load_graph, padded_molecules
 from benchmarks.systems import jax_sparse_twins
 from jaxcsr import CSRMatrix, matmul, segment_softmax, segment_sum
 
@@ -357,28 +357,8 @@ def gat_step(g, rng: np.random.Generator, heads: int = 8, hidden: int = 8, n_in:
 
 
 MOLECULES, MOLECULE_NODES, MOLECULE_EDGES = 64, 64 * 40 + 64, 64 * 2 * 48
-"""The padded molecule batch: 64 graphs of 10-40 atoms, node and edge padding."""
-
-
-def _molecule_batch(rng: np.random.Generator):
-    """Senders, receivers and graph of each node of 64 random molecule-like graphs (a
-    chain of 10-40 atoms plus 1-8 extra bonds, both directions), padded as jraph pads:
-    padding edges and nodes point at one padding node of one padding graph."""
-    senders, receivers, graph_of_node, offset = [], [], [], 0
-    for gid in range(MOLECULES):
-        n = int(rng.integers(10, 41))
-        bonds = [(i, i + 1) for i in range(n - 1)]
-        bonds += [tuple(rng.choice(n, 2, replace=False)) for _ in range(int(rng.integers(1, 9)))]
-        for a, b in bonds:
-            senders += [offset + a, offset + b]
-            receivers += [offset + b, offset + a]
-        graph_of_node += [gid] * n
-        offset += n
-    pad = MOLECULE_EDGES - len(senders)
-    senders += [MOLECULE_NODES - 1] * pad
-    receivers += [MOLECULE_NODES - 1] * pad
-    graph_of_node += [MOLECULES] * (MOLECULE_NODES - offset)
-    return tuple(jnp.asarray(a, jnp.int32) for a in (senders, receivers, graph_of_node))
+"""The padded molecule batch (:func:`benchmarks.datasets.padded_molecules`): 64 graphs
+of 10-40 atoms with 1-8 extra bonds, and room for the padding."""
 
 
 def molecule_step(rng: np.random.Generator, features: int = 64):
@@ -387,7 +367,8 @@ def molecule_step(rng: np.random.Generator, features: int = 64):
     (a jraph batch): per-edge scores, ``segment_softmax`` over receivers, weighted
     ``segment_sum``, then a sum-pool per graph; jaxcsr's functions against jax.ops'
     (the softmax as its composition) with the same arguments."""
-    senders, receivers, graph_of_node = _molecule_batch(rng)
+    batch = padded_molecules(rng, MOLECULES, (10, 41), (1, 9), MOLECULE_NODES, MOLECULE_EDGES)
+    senders, receivers, graph_of_node = (jnp.asarray(a) for a in batch)
     n = MOLECULE_NODES
 
     def init(shape):

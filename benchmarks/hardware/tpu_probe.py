@@ -63,6 +63,20 @@ def stripped(part: str):
         jax.clear_caches()
 
 
+def json_emitter(path: Path):
+    """``emit(record)``: prints the record as a JSON line and rewrites ``path`` with
+    every record so far (a probe cut short keeps what it measured)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    records = []
+
+    def emit(rec):
+        records.append(rec)
+        print(json.dumps(rec), flush=True)
+        path.write_text(json.dumps(records, indent=1))
+
+    return emit
+
+
 def probe(graph: str, widths, dtypes, repeats: int, emit, interpret: bool = False) -> None:
     g = load_graph(graph)
     m, e = g.num_nodes, g.num_edges
@@ -177,15 +191,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="benchmarks/results/tmp-probe")
     p.add_argument("--interpret", action="store_true", help="smoke run on CPU")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    records = []
-
-    def emit(rec):
-        records.append(rec)
-        print(json.dumps(rec), flush=True)
-        (out / "probe.json").write_text(json.dumps(records, indent=1))
-
+    emit = json_emitter(Path(args.out) / "probe.json")
     emit({"jax": jax.__version__, "devices": str(jax.devices())})
     widths = [int(w) for w in args.features.split(",")]
     dtypes = [jnp.dtype(d) for d in args.dtypes.split(",")]

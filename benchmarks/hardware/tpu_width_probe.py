@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import time
 from pathlib import Path
 
@@ -31,9 +30,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from benchmarks.datasets import load_graph
+from benchmarks.hardware.tpu_probe import json_emitter
 from jaxcsr.kernels import tpu
 
-LANES = 128
+STREAM_BLOCK = 2048
+"""Rows per block of the streaming-only kernel (the windowed kernel's ``block_k``)."""
 
 
 def pipelined_ms(fn, args, calls: int) -> float:
@@ -99,6 +100,31 @@ def probe(graph, widths, calls, emit, interpret=False):
             rec = {**cell, "case": name, "error": f"{type(err).__name__}: {err}"[:600]}
         emit(rec)
 
+    def tiling_cells(cell, v, ref, name, kernel, sizes, bf16=False):
+        """``kernel(values, rows, schedule)`` on ``v`` at ``sizes = (block_k, window)``:
+        timed and checked against ``ref``, then with every step on one block (its
+        arithmetic alone), then (with ``bf16``) on bfloat16 values."""
+        bk, w = sizes
+        t = tpu.Tiling(bk, min(w, default.block_m), default.block_m)
+        plan = tpu.plan_schedule(indptr, t)
+        sched = jax.tree.map(jnp.asarray, plan)
+        rows = jnp.asarray(tpu.padded_rows(rows_host, t.block_k, np))
+        same = tpu.Schedule(jnp.zeros_like(sched.block), sched.tile, sched.span, t)
+        tag = f"k={t.block_k} w={t.window} steps={plan.num_steps}"
+        run(cell, f"{name} {tag}", lambda a: kernel(a, rows, sched), v, check=ref)
+        run(cell, f"{name} on one block (arithmetic) {tag}", lambda a: kernel(a, rows, same), v)
+        if bf16:
+            vb = v.astype(jnp.bfloat16)
+            half = {**cell, "bytes": cell["bytes"] // 2}
+            run(half, f"{name} bf16 {tag}", lambda a: kernel(a, rows, sched), vb)
+
+    stream_blocks = functools.partial(stream, block_rows=STREAM_BLOCK, interpret=interpret)
+    row_major = functools.partial(tpu.spmm, num_rows=m, interpret=interpret)
+    fm = functools.partial(tpu.spmm_feature_major, num_rows=m, interpret=interpret)
+
+    def feature_major(values, rows, schedule):
+        return fm(values.T, rows, schedule)
+
     for n in widths:
         v64 = rng.uniform(-1, 1, (e, n))
         ref = onehot @ v64
@@ -110,56 +136,15 @@ def probe(graph, widths, calls, emit, interpret=False):
         run(cell, "copy v+1", lambda a: a + 1, v)
         run(cell, "sum over ids jnp.sum(v, 0)", lambda a: jnp.sum(a, 0), v)
         # the windowed kernel, its stream ceiling and its arithmetic alone
-        for bk in (2048,):
-            ep = -(-e // bk) * bk
-            vp = jnp.pad(v, ((0, ep - e), (0, 0)))
-            run(cell, f"stream (E, N) blocks k={bk}", lambda a, bk=bk: stream(a, bk, interpret), vp)
+        vp = jnp.pad(v, ((0, -(-e // STREAM_BLOCK) * STREAM_BLOCK - e), (0, 0)))
+        run(cell, f"stream (E, N) blocks k={STREAM_BLOCK}", stream_blocks, vp)
         for w in (128, 64) if n in (16, 128) else (default.window,):
-            t = tpu.Tiling(default.block_k, min(w, default.block_m), default.block_m)
-            plan = tpu.plan_schedule(indptr, t)
-            sched = jax.tree.map(jnp.asarray, plan)
-            rows = jnp.asarray(tpu.padded_rows(rows_host, t.block_k, np))
-            spmm = functools.partial(tpu.spmm, num_rows=m, interpret=interpret)
-            tag = f"k={t.block_k} w={t.window} steps={plan.num_steps}"
-            run(cell, f"kernel {tag}", lambda a, r=rows, s=sched, f=spmm: f(a, r, s), v, check=ref)
-            same = tpu.Schedule(jnp.zeros_like(sched.block), sched.tile, sched.span, t)
-            run(
-                cell,
-                f"kernel on one block (arithmetic) {tag}",
-                lambda a, r=rows, s=same, f=spmm: f(a, r, s),
-                v,
-            )
-        if n == LANES:
+            tiling_cells(cell, v, ref, "kernel", row_major, (default.block_k, w))
+        if n == tpu.LANES:
             continue
         # feature-major: values.T (free: XLA stores narrow arrays column-major)
-        for bk, w in ((default.block_k, default.window), (1024, 128), (4096, 128), (2048, 256)):
-            t = tpu.Tiling(bk, min(w, default.block_m), default.block_m)
-            plan = tpu.plan_schedule(indptr, t)
-            sched = jax.tree.map(jnp.asarray, plan)
-            rows = jnp.asarray(tpu.padded_rows(rows_host, t.block_k, np))
-            fm = functools.partial(tpu.spmm_feature_major, num_rows=m, interpret=interpret)
-            tag = f"k={t.block_k} w={t.window} steps={plan.num_steps}"
-            run(
-                cell,
-                f"feature-major {tag}",
-                lambda a, r=rows, s=sched, f=fm: f(a.T, r, s),
-                v,
-                check=ref,
-            )
-            same = tpu.Schedule(jnp.zeros_like(sched.block), sched.tile, sched.span, t)
-            run(
-                cell,
-                f"feature-major on one block (arithmetic) {tag}",
-                lambda a, r=rows, s=same, f=fm: f(a.T, r, s),
-                v,
-            )
-            vb = v.astype(jnp.bfloat16)
-            run(
-                {**cell, "bytes": e * n * 2},
-                f"feature-major bf16 {tag}",
-                lambda a, r=rows, s=sched, f=fm: f(a.T, r, s),
-                vb,
-            )
+        for sizes in ((default.block_k, default.window), (1024, 128), (4096, 128), (2048, 256)):
+            tiling_cells(cell, v, ref, "feature-major", feature_major, sizes, bf16=True)
 
 
 def main(argv=None) -> None:
@@ -170,15 +155,7 @@ def main(argv=None) -> None:
     p.add_argument("--out", default="benchmarks/results/tmp-probe")
     p.add_argument("--interpret", action="store_true", help="smoke run on CPU")
     args = p.parse_args(argv)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    records = []
-
-    def emit(rec):
-        records.append(rec)
-        print(json.dumps(rec), flush=True)
-        (out / "width_probe.json").write_text(json.dumps(records, indent=1))
-
+    emit = json_emitter(Path(args.out) / "width_probe.json")
     emit({"jax": jax.__version__, "devices": str(jax.devices())})
     for graph in args.graphs.split(","):
         probe(

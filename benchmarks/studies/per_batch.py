@@ -33,7 +33,7 @@ import numpy as np
 
 import jaxcsr
 from benchmarks import measure, report
-from benchmarks.datasets import load_graph
+from benchmarks.datasets import load_graph, padded_molecules
 from jaxcsr import device_plan
 from jaxcsr.kernels import gpu, tpu
 
@@ -155,26 +155,14 @@ NODES, EDGES, GRAPHS_PER_BATCH = 640, 2048, 33  # 32 molecules + jraph's padding
 def _molecule_batch(rng, features: int) -> dict:
     """32 random molecule-sized graphs in one padded batch, as jraph pads one: the
     padding edges point at a padding node, the padding nodes form one more graph."""
-    senders, receivers, graph_of_node, offset = [], [], [], 0
-    for g in range(GRAPHS_PER_BATCH - 1):
-        n = int(rng.integers(6, 19))
-        bonds = [(i, i + 1) for i in range(n - 1)]
-        bonds += [tuple(rng.choice(n, 2, replace=False)) for _ in range(int(rng.integers(1, 5)))]
-        for a, b in bonds:
-            senders += [offset + a, offset + b]
-            receivers += [offset + b, offset + a]
-        graph_of_node += [g] * n
-        offset += n
-    assert offset < NODES and len(senders) <= EDGES
-    pad_edges = EDGES - len(senders)
-    senders += [NODES - 1] * pad_edges
-    receivers += [NODES - 1] * pad_edges
-    graph_of_node += [GRAPHS_PER_BATCH - 1] * (NODES - offset)
+    senders, receivers, graph_of_node = padded_molecules(
+        rng, GRAPHS_PER_BATCH - 1, (6, 19), (1, 5), NODES, EDGES
+    )
     return {
         "nodes": rng.standard_normal((NODES, features)).astype(np.float32),
-        "senders": np.asarray(senders, np.int32),
-        "receivers": np.asarray(receivers, np.int32),
-        "graph_of_node": np.asarray(graph_of_node, np.int32),
+        "senders": senders,
+        "receivers": receivers,
+        "graph_of_node": graph_of_node,
         "targets": rng.standard_normal((GRAPHS_PER_BATCH, 1)).astype(np.float32),
     }
 
