@@ -383,9 +383,6 @@ def molecule_step(rng: np.random.Generator, features: int = 64):
     h0 = jnp.asarray(rng.standard_normal((n, features)), jnp.float32)
     target = jnp.asarray(rng.standard_normal((MOLECULES + 1, 1)), jnp.float32)
 
-    def ops_softmax(x, ids, num):
-        return _ops_softmax(x, ids, num)
-
     def step(segment, softmax, p, s, r, pool):
         def loss(p):
             h = h0
@@ -403,7 +400,7 @@ def molecule_step(rng: np.random.Generator, features: int = 64):
     args = ((params, head), senders, receivers, graph_of_node)
     systems = {
         "jaxcsr": (jax.jit(functools.partial(step, segment_sum, segment_softmax)), args),
-        "jax.ops": (jax.jit(functools.partial(step, jax.ops.segment_sum, ops_softmax)), args),
+        "jax.ops": (jax.jit(functools.partial(step, jax.ops.segment_sum, _ops_softmax)), args),
     }
     return f"molecule step ({MOLECULES} graphs, N={features})", systems, None
 

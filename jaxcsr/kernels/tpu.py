@@ -795,11 +795,10 @@ def spmm_feature_major(
     return out[:, :num_rows].T
 
 
-def feature_major(n_features: int, reduce: str) -> bool:
+def feature_major(n_features: int) -> bool:
     """Whether a product runs :func:`spmm_feature_major`: fewer than 128 features (an
     ``(nnz, N)`` array with ``N < 128`` is stored column-major on a TPU, so its
     transpose is free), any reduction."""
-    del reduce
     return n_features < LANES
 
 
@@ -839,7 +838,7 @@ def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
         return {"pallas_tpu": "xla gather (one entry per row)"}
     t = choose_tiling(view.shape[0], view.nnz)
     layout = ""
-    if n_features is not None and feature_major(n_features, "sum"):
+    if n_features is not None and feature_major(n_features):
         layout = "; feature-major"
     return {
         "pallas_tpu": f"kernel (blocks of {t.block_k} nonzeros, windows of {t.window} rows, "
@@ -902,7 +901,7 @@ def product(
     def finished(out):  # max/min: empty rows hold 0, not the kernel's -inf/+inf
         return out if reduce == "sum" else zero_empty_rows(out, structure)
 
-    if feature_major(values.shape[1], reduce):
+    if feature_major(values.shape[1]):
         out = finished(
             spmm_feature_major(
                 values.T, rows, tiles, num_rows=num_rows, reduce=reduce, interpret=interpret
