@@ -38,6 +38,7 @@ from jaxcsr import device_plan, kernels, plan
 from jaxcsr.dtypes import accumulation_dtype
 from jaxcsr.matrix import CSRMatrix, SparseOperand, matmul
 from jaxcsr.softmax import shifted_exp, softmax_over_rows
+from jaxcsr.take_attaining import take_attaining
 from jaxcsr.validation import (
     as_host_int_array,
     as_numeric,
@@ -388,12 +389,10 @@ def _identity(dtype, reduce: str) -> Any:
 
 def _scatter_sum(x: jax.Array, ids: jax.Array, num_segments: int, sorted_ids: bool):
     """XLA's scatter-add of ``x`` (ids first) as ``jax.ops.segment_sum`` runs it:
-    out-of-range ids dropped (negative ones too; clipped first for ``mode="clip"``),
-    int64 ids past int32 never wrapped into range, and the sum carried in
+    out-of-range ids dropped (negative ones too; clipped first for ``mode="clip"``;
+    int64 ids narrowed by :func:`_scatter_on_cpu`), and the sum carried in
     :func:`~jaxcsr.dtypes.accumulation_dtype` (float32 for 16-bit floats), as every
     jaxcsr path does."""
-    if ids.dtype.itemsize > 4:  # XLA's CPU scatter would wrap int64 ids into range
-        ids = jnp.where((ids >= 0) & (ids < num_segments), ids, -1).astype(jnp.int32)
     wide = x.astype(accumulation_dtype(x.dtype))
     out = jnp.zeros((num_segments, *x.shape[1:]), wide.dtype)
     out = out.at[ids].add(
@@ -402,29 +401,122 @@ def _scatter_sum(x: jax.Array, ids: jax.Array, num_segments: int, sorted_ids: bo
     return out.astype(x.dtype)
 
 
-def _traced_sum_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis):
-    """A traced segment sum whose CPU lowering scatters
-    (:func:`kernels.traced_sum_scatters_on_cpu`; every other platform plans as usual),
+def _scatter_extreme(x: jax.Array, ids: jax.Array, num_segments: int, sorted_ids: bool,
+                     reduce: str) -> jax.Array:
+    """XLA's scatter-max/min of ``x (n, F)``, as ``jax.ops.segment_max``/``min`` run it:
+    out-of-range ids dropped, empty segments at the dtype's identity."""
+    out = jnp.full((num_segments, *x.shape[1:]), _identity(x.dtype, reduce), x.dtype)
+    at = out.at[ids]
+    scatter = at.max if reduce == "max" else at.min
+    return scatter(x, mode="drop", indices_are_sorted=sorted_ids, wrap_negative_indices=False)
+
+
+def _first_attaining(x, ids, out, sorted_ids: bool) -> jax.Array:
+    """``(m, F)`` int32: the first position (in input order) of each segment whose
+    value is ``out`` (NaN matches NaN), ``n`` where the segment is empty: jaxcsr's
+    ``return_arg``, and where the gradient of max/min goes."""
+    n, m = x.shape[0], out.shape[0]
+    target = out[jnp.clip(ids, 0, max(m - 1, 0))]
+    hit = x == target
+    if jnp.issubdtype(x.dtype, jnp.inexact):
+        hit = hit | (jnp.isnan(x) & jnp.isnan(target))
+    positions = jnp.where(hit, jnp.arange(n, dtype=jnp.int32)[:, None], n)
+    return jnp.full(out.shape, n, jnp.int32).at[ids].min(
+        positions, mode="drop", indices_are_sorted=sorted_ids, wrap_negative_indices=False
+    )
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
+def _scattered_extreme(x, ids, num_segments: int, sorted_ids: bool, reduce: str):
+    """:func:`_scatter_extreme` of floating ``x (n, F)`` whose tangent is taken at
+    :func:`_first_attaining` (one position per output element, as every jaxcsr path);
+    its transpose puts the cotangent back in one masked gather, no scatter."""
+    return _scatter_extreme(x, ids, num_segments, sorted_ids, reduce)
+
+
+@_scattered_extreme.defjvp
+def _scattered_extreme_jvp(num_segments, sorted_ids, reduce, primals, tangents):
+    x, ids = primals
+    out = _scatter_extreme(x, ids, num_segments, sorted_ids, reduce)
+    first = _first_attaining(x, ids, out, sorted_ids)
+    rows = jnp.where((ids >= 0) & (ids < num_segments), ids, num_segments)
+    put = kernels.fallback().arg_search.put_attaining
+    return out, take_attaining(tangents[0], first, rows, put=put)
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5))
+def _scattered_value(x, ids, num_segments: int, sorted_ids: bool, reduce: str, planned):
+    """:func:`_scatter_extreme` whose tangent is the planned product's (``planned(x,
+    ids)``, the same function): the scatter where only the value is needed, the plan
+    and its masked-gather backward where a gradient is."""
+    return _scatter_extreme(x, ids, num_segments, sorted_ids, reduce)
+
+
+@_scattered_value.defjvp
+def _scattered_value_jvp(num_segments, sorted_ids, reduce, planned, primals, tangents):
+    x, ids = primals
+    return jax.jvp(lambda x: planned(x, ids), (x,), (tangents[0],))
+
+
+def _scatter_on_cpu(x, ids, num_segments, sorted_ids, reduce, return_arg, fill, planned):
+    """:func:`_reduce`'s XLA scatter for ``x (n, F)``: a sum, or a max/min with its
+    arg and ``fill`` (``None``: the identity) in empty segments; a max/min's gradient
+    scatters too where :func:`kernels.traced_scatters_on_cpu` says so, else it is the
+    ``planned`` product's."""
+    if ids.dtype.itemsize > 4:  # XLA's CPU scatter would wrap int64 ids into range
+        ids = jnp.where((ids >= 0) & (ids < num_segments), ids, -1).astype(jnp.int32)
+    if reduce == "sum":
+        return _scatter_sum(x, ids, num_segments, sorted_ids)
+    if not jnp.issubdtype(x.dtype, jnp.inexact):
+        out = _scatter_extreme(x, ids, num_segments, sorted_ids, reduce)
+    elif kernels.traced_scatters_on_cpu(reduce, *x.shape, x.dtype, gradient=True):
+        out = _scattered_extreme(x, ids, num_segments, sorted_ids, reduce)
+    else:
+        out = _scattered_value(x, ids, num_segments, sorted_ids, reduce, planned)
+    if not return_arg and fill is None:
+        return out
+    first = _first_attaining(jax.lax.stop_gradient(x), ids, jax.lax.stop_gradient(out), sorted_ids)
+    if fill is not None:
+        out = jnp.where(first < x.shape[0], out, fill.astype(out.dtype))
+    return (out, first) if return_arg else out
+
+
+def _traced_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis, reduce, return_arg,
+                   empty):  # fmt: skip
+    """A traced segment sum, max or min whose CPU lowering scatters
+    (:func:`kernels.traced_scatters_on_cpu`; every other platform plans as usual),
     or ``None`` where the rule keeps the plan."""
     data, axis = _checked_data(data, segment_ids, axis)
     if data.dtype == np.bool_:
-        return None  # the planned path names the error
+        return None  # the planned path reduces booleans (or names the error)
     x = jnp.moveaxis(data, axis, 0)
-    width = int(np.prod(x.shape[1:]))
-    if not kernels.traced_sum_scatters_on_cpu(x.shape[0], width, x.dtype):
+    rest = x.shape[1:]
+    width = int(np.prod(rest))
+    if not kernels.traced_scatters_on_cpu(reduce, x.shape[0], width, x.dtype):
         return None
     ids, m = _traced_ids(segment_ids, num_segments, _mode_argument(mode))
     _check_length(x, 0, ids.shape[0])
-    if m == 0:
-        return None  # the planned path's constant empty result
+    if m == 0 or x.shape[0] == 0:
+        return None  # the planned path's constant result
+    fill = None
+    if reduce != "sum" and empty is not None:
+        fill = _empty_value(x.dtype, reduce, empty)
+    x = x.reshape(x.shape[0], width)
 
-    def planned(x, ids):
-        return _reduce(x, ids, m, sorted_ids, None, 0, False, None, "sum", plan_only=True)
+    def planned(x, ids, return_arg=return_arg, empty=empty):
+        return _reduce(x, ids, m, sorted_ids, None, 0, return_arg, None, reduce, empty,
+                       plan_only=True)  # fmt: skip
 
-    out = jax.lax.platform_dependent(
-        x, ids, cpu=lambda x, ids: _scatter_sum(x, ids, m, sorted_ids), default=planned
-    )
-    return jnp.moveaxis(out, 0, axis)
+    def scattered(x, ids):
+        value = functools.partial(planned, return_arg=False, empty=None)
+        return _scatter_on_cpu(x, ids, m, sorted_ids, reduce, return_arg, fill, value)
+
+    result = jax.lax.platform_dependent(x, ids, cpu=scattered, default=planned)
+    out, arg = result if return_arg else (result, None)
+    out = jnp.moveaxis(out.reshape(m, *rest), 0, axis)
+    if not return_arg:
+        return out
+    return out, jnp.moveaxis(arg.reshape(m, *rest), 0, axis)
 
 
 def _reduce(data, segment_ids, num_segments, sorted_ids, mode, axis, return_arg, impl, reduce,
@@ -433,11 +525,12 @@ def _reduce(data, segment_ids, num_segments, sorted_ids, mode, axis, return_arg,
     of max/min hold ``empty`` (``None``: the dtype's identity, as ``jax.ops``).
     Boolean data (max/min only) is reduced as integers (max: any; min: all) and
     given back as bool. (``unique_indices`` and ``bucket_size`` are not needed: the plan knows.)"""
-    traced_sum = reduce == "sum" and is_traced(segment_ids) and not return_arg
-    if traced_sum and impl is None and not plan_only:
-        out = _traced_sum_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis)
-        if out is not None:
-            return out
+    scatters = reduce in ("sum", "max", "min") and not (reduce == "sum" and return_arg)
+    if scatters and impl is None and not plan_only and is_traced(segment_ids):
+        result = _traced_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis, reduce,
+                                return_arg, empty)  # fmt: skip
+        if result is not None:
+            return result
     boolean = _dtype_of(data) == np.bool_
     if boolean:
         if reduce not in ("max", "min"):  # jax.ops rejects bool sums too

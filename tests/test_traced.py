@@ -581,7 +581,7 @@ def test_traced_coordinates_out_of_range_are_dropped_on_every_path(rng, impl):
 @pytest.mark.parametrize("width", [1, 5, 63, 64])
 def test_narrow_traced_sums_scatter_on_cpu(rng, width, sorted_ids):
     """On CPU a traced segment sum of fewer than 64 features runs XLA's scatter (no
-    device plan, no native kernel; ``cpu.traced_sum_scatters``), 64 and more the
+    device plan, no native kernel; ``cpu.traced_scatters``), 64 and more the
     native kernel; both give the float64 sums and gradients, dropping out-of-range
     ids."""
     from jaxcsr.kernels import cpu
@@ -604,7 +604,7 @@ def test_narrow_traced_sums_scatter_on_cpu(rng, width, sorted_ids):
     assert_close(jax.jit(jax.grad(loss))(x, ids), want, np.float32)
     compiled = f.lower(x, ids).compile().as_text()
     scatters = width < 64
-    assert cpu.traced_sum_scatters(size, width) == scatters
+    assert cpu.traced_scatters("sum", size, width) == scatters
     if scatters:
         assert not _sorts(f, x, ids)
     if cpu.available():
@@ -616,12 +616,12 @@ def test_traced_scatter_rule_and_its_sums():
     (a bfloat16 scatter would stall near 256 on a long segment of values near 1)."""
     from jaxcsr.kernels import cpu
 
-    assert cpu.traced_sum_scatters(2**18, 32)
-    assert not cpu.traced_sum_scatters(2**19, 63)  # 2**24 elements and more: the plan
-    assert not cpu.traced_sum_scatters(10, 64)
-    assert cpu.traced_sum_scatters(10, 15, jnp.bfloat16)
-    assert not cpu.traced_sum_scatters(10, 16, jnp.bfloat16)  # the kernel reads half
-    assert cpu.traced_sum_scatters(10, 16, np.int32)
+    assert cpu.traced_scatters("sum", 2**18, 32)
+    assert not cpu.traced_scatters("sum", 2**19, 63)  # 2**24 elements and more: the plan
+    assert not cpu.traced_scatters("sum", 10, 64)
+    assert cpu.traced_scatters("sum", 10, 15, jnp.bfloat16)
+    assert not cpu.traced_scatters("sum", 10, 16, jnp.bfloat16)  # the kernel reads half
+    assert cpu.traced_scatters("sum", 10, 16, np.int32)
     rng = np.random.default_rng(7)
     x = rng.uniform(0.5, 1.5, (3000, 2))
     ids = rng.integers(0, 2, 3000).astype(np.int32)
@@ -631,3 +631,71 @@ def test_traced_scatter_rule_and_its_sums():
         assert out.dtype == dtype
         want = segment_reference(np.asarray(xd.astype(jnp.float32), np.float64), ids, 3)
         np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-2)
+
+
+def _extreme_reference(x: np.ndarray, ids: np.ndarray, m: int, reduce: str):
+    """float64 max/min per segment (``nan`` for empty ones), the first position
+    attaining each (``len(x)`` for empty ones), and the gradient of ``sum(out * ct)``."""
+    pick = np.maximum if reduce == "max" else np.minimum
+    out = np.full((m, x.shape[1]), np.nan)
+    first = np.full((m, x.shape[1]), len(x), np.int64)
+    for k in range(len(x)):
+        r = ids[k]
+        if not 0 <= r < m:
+            continue
+        for f in range(x.shape[1]):
+            if np.isnan(out[r, f]) or pick(out[r, f], x[k, f]) != out[r, f]:
+                out[r, f], first[r, f] = x[k, f], k
+    return out, first
+
+
+@pytest.mark.parametrize("reduce", ["max", "min"])
+@pytest.mark.parametrize("width, dtype", [(1, np.float32), (15, np.float32),
+                                          (16, np.float32), (31, np.float32),
+                                          (32, np.float32), (3, jnp.bfloat16),
+                                          (8, jnp.bfloat16)])  # fmt: skip
+def test_narrow_traced_extremes_scatter_on_cpu(rng, reduce, width, dtype):
+    """On CPU a traced segment max/min below 32 features (8 for 16-bit floats) runs
+    XLA's scatter (``cpu.traced_scatters``), its gradient too below 16 (else the
+    planned product's), wider ones the plan; all give the float64 values, the first attaining position (``return_arg``; ties kept: values on
+    a coarse grid), ``empty=``, and a gradient at that position only, dropping
+    out-of-range ids; a skewed segment (a hub) and empty ones included."""
+    from jaxcsr.kernels import cpu
+
+    m, size = 37, 900
+    ids = np.where(rng.random(size) < 0.3, 4, rng.integers(-2, m + 3, size)).astype(np.int32)
+    ids[ids == 11] = 12  # an empty segment inside
+    x64 = np.round(random_values(rng, (size, width)) * 4) / 4  # ties
+    x = jnp.asarray(x64, dtype)
+    x64 = np.asarray(x.astype(jnp.float32), np.float64)
+    ct = jnp.asarray(random_values(rng, (m, width)), jnp.float32)
+    fn = getattr(jaxcsr, f"segment_{reduce}")
+    out, arg = jax.jit(lambda x, ids: fn(x, ids, m, return_arg=True))(x, ids)
+    want, first = _extreme_reference(x64, ids, m, reduce)
+    empty = np.isnan(want)
+    assert empty[11].all() and not empty[4].any()
+    identity = -np.inf if reduce == "max" else np.inf
+    np.testing.assert_array_equal(np.asarray(out, np.float64), np.where(empty, identity, want))
+    np.testing.assert_array_equal(np.asarray(arg), first)
+    zero = jax.jit(lambda x, ids: fn(x, ids, m, empty=0))(x, ids)
+    np.testing.assert_array_equal(np.asarray(zero, np.float64), np.where(empty, 0.0, want))
+
+    def loss(x, ids):
+        return jnp.sum(fn(x, ids, m, empty=0).astype(jnp.float32) * ct)
+
+    grad = jax.jit(jax.grad(loss))(x, ids)
+    expected = np.zeros((size, width))
+    rows, cols = np.nonzero(~empty)
+    expected[first[rows, cols], cols] = np.asarray(ct, np.float64)[rows, cols]
+    assert_close(grad, expected, dtype)
+    sixteen = dtype == jnp.bfloat16
+    scatters, grad_scatters = width < (8 if sixteen else 32), width < (8 if sixteen else 16)
+    assert cpu.traced_scatters(reduce, size, width, dtype) == scatters
+    assert cpu.traced_scatters(reduce, size, width, dtype, gradient=True) == grad_scatters
+    f = jax.jit(lambda x, ids: fn(x, ids, m))
+    if scatters:
+        assert not _sorts(f, x, ids)
+    if cpu.available():
+        assert ("jaxcsr_cpu" in f.lower(x, ids).compile().as_text()) == (not scatters)
+        backward = jax.jit(jax.grad(loss)).lower(x, ids).compile().as_text()
+        assert ("jaxcsr_cpu" in backward) == (not grad_scatters)

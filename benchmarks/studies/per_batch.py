@@ -273,13 +273,14 @@ def planning_rows(graphs, repeats: int, seed: int) -> list[dict]:
 
 
 def markdown(result: dict) -> str:
+    widths = sorted({r["width"] for r in result["segments"]})
     lines = [
         "### Segment reductions with traced ids (jaxcsr / jax.ops time: speedup)",
         "",
         "Ids: the graph's receivers in a shuffled edge order, traced in both systems.",
         "",
-        "| graph | op | dtype | mode | " + " | ".join(f"N={w}" for w in WIDTHS) + " |",
-        "|---|---|---|---|" + "---|" * len(WIDTHS),
+        "| graph | op | dtype | mode | " + " | ".join(f"N={w}" for w in widths) + " |",
+        "|---|---|---|---|" + "---|" * len(widths),
     ]
     cells: dict[tuple, dict[int, dict]] = {}
     for r in result["segments"]:
@@ -289,7 +290,7 @@ def markdown(result: dict) -> str:
             f"{by_width[w]['speedup']:.2f}x ({by_width[w]['jaxcsr_ms']:.2f} ms)"
             if w in by_width
             else ""
-            for w in WIDTHS
+            for w in widths
         ]
         lines.append("| " + " | ".join(key) + " | " + " | ".join(row) + " |")
     speedups = [r["speedup"] for r in result["segments"]]

@@ -48,7 +48,7 @@ __all__ = [
     "platform_kernel",
     "register",
     "resolve_backends",
-    "traced_sum_scatters_on_cpu",
+    "traced_scatters_on_cpu",
 ]
 
 
@@ -366,7 +366,9 @@ def resolve_backends(backends: Any) -> tuple[str, ...]:
     return tuple(sorted(set(names) | {FALLBACK}))
 
 
-def traced_sum_scatters_on_cpu(num_ids: int, width: int, dtype: Any) -> bool:
-    """Whether ``segment_sum`` of traced ids lowers to XLA's scatter on CPU
-    (:func:`jaxcsr.kernels.cpu.traced_sum_scatters`)."""
-    return cpu.traced_sum_scatters(num_ids, width, dtype)
+def traced_scatters_on_cpu(
+    reduce: str, num_ids: int, width: int, dtype: Any, gradient: bool = False
+) -> bool:
+    """Whether ``segment_<reduce>`` of traced ids (``gradient``: a max/min's gradient)
+    lowers to XLA's scatter on CPU (:func:`jaxcsr.kernels.cpu.traced_scatters`)."""
+    return cpu.traced_scatters(reduce, num_ids, width, dtype, gradient)

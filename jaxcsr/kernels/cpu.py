@@ -98,25 +98,35 @@ __all__ = [
     "sddmm",
     "softmax",
     "threads",
-    "traced_sum_scatters",
+    "traced_scatters",
 ]
 
-TRACED_SCATTER_MAX_WIDTH = 64
-TRACED_SCATTER_MAX_WIDTH_16BIT = 16
+TRACED_SCATTER_MAX_WIDTH = {"sum": 64, "max": 32, "min": 32, "max'": 16, "min'": 16}
+"""Per reduce (``"max'"``: a max's gradient): traced reductions narrower than this
+scatter on CPU (values of 4 bytes or more; :func:`traced_scatters`)."""
+TRACED_SCATTER_MAX_WIDTH_16BIT = {"sum": 16, "max": 8, "min": 8, "max'": 8, "min'": 8}
+"""Per reduce: the same bound for 16-bit floats."""
 TRACED_SCATTER_MAX_ELEMENTS = 2**24
 
 
-def traced_sum_scatters(num_ids: int, width: int, dtype: Any = np.float32) -> bool:
-    """Whether a segment sum of traced ids runs XLA's scatter on CPU (``impl=None``)
-    instead of the native kernel: below :data:`TRACED_SCATTER_MAX_WIDTH` features
-    (:data:`TRACED_SCATTER_MAX_WIDTH_16BIT` for 16-bit floats, which the kernel reads
-    at half the bytes and XLA scatters in float32) when the values hold fewer than
-    :data:`TRACED_SCATTER_MAX_ELEMENTS` elements. The kernel's per-call cost (pieces
-    with private partial outputs) is repaid per value, so narrow values cannot repay
-    it (``benchmarks/results/cpu-xeon-avx512/traced_scatter/``)."""
+def traced_scatters(
+    reduce: str, num_ids: int, width: int, dtype: Any = np.float32, gradient: bool = False
+) -> bool:
+    """Whether a segment ``reduce`` (``"sum"``, ``"max"``, ``"min"``) of traced ids runs
+    XLA's scatter on CPU (``impl=None``) instead of a device plan and the native kernel:
+    below :data:`TRACED_SCATTER_MAX_WIDTH` features (:data:`TRACED_SCATTER_MAX_WIDTH_16BIT`
+    for 16-bit floats, which the kernels read at half the bytes; XLA adds them in
+    float32) when the values hold fewer than :data:`TRACED_SCATTER_MAX_ELEMENTS`
+    elements. ``gradient``: whether a max/min's gradient scatters too (a narrower
+    bound: wider ones differentiate the planned product, whose backward is a masked
+    gather). The kernel's per-call cost (the sum's pieces with private partial
+    outputs; the max's sort) is repaid per value, so narrow values cannot repay it
+    (sums: ``benchmarks/results/cpu-xeon-avx512/traced_scatter/``, max and min:
+    ``benchmarks/results/cpu-xeon-avx512/traced_extremes/``)."""
     dtype = np.dtype(dtype)
     sixteen_bit = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
-    limit = TRACED_SCATTER_MAX_WIDTH_16BIT if sixteen_bit else TRACED_SCATTER_MAX_WIDTH
+    key = f"{reduce}'" if gradient and reduce != "sum" else reduce
+    limit = (TRACED_SCATTER_MAX_WIDTH_16BIT if sixteen_bit else TRACED_SCATTER_MAX_WIDTH)[key]
     return width < limit and num_ids * width < TRACED_SCATTER_MAX_ELEMENTS
 
 
