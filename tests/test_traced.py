@@ -622,6 +622,14 @@ def test_traced_scatter_rule_and_its_sums():
     assert cpu.traced_scatters("sum", 10, 15, jnp.bfloat16)
     assert not cpu.traced_scatters("sum", 10, 16, jnp.bfloat16)  # the kernel reads half
     assert cpu.traced_scatters("sum", 10, 16, np.int32)
+    assert cpu.traced_scatters("max", 2**17, 63)  # a small value: any width below 128
+    assert not cpu.traced_scatters("max", 2**17, 128)
+    assert not cpu.traced_scatters("min", 2**17, 64, gradient=True)
+    assert not cpu.traced_scatters("max", 2**18, 32)
+    assert cpu.traced_scatters("max", 2**18, 31)
+    assert cpu.traced_scatters("min", 2**16, 7, jnp.bfloat16)
+    assert not cpu.traced_scatters("min", 2**16, 8, jnp.bfloat16)
+    assert cpu.traced_scatters("min", 2**15, 8, jnp.bfloat16)
     rng = np.random.default_rng(7)
     x = rng.uniform(0.5, 1.5, (3000, 2))
     ids = rng.integers(0, 2, 3000).astype(np.int32)
@@ -654,14 +662,17 @@ def _extreme_reference(x: np.ndarray, ids: np.ndarray, m: int, reduce: str):
                                           (16, np.float32), (31, np.float32),
                                           (32, np.float32), (3, jnp.bfloat16),
                                           (8, jnp.bfloat16)])  # fmt: skip
-def test_narrow_traced_extremes_scatter_on_cpu(rng, reduce, width, dtype):
+def test_narrow_traced_extremes_scatter_on_cpu(rng, monkeypatch, reduce, width, dtype):
     """On CPU a traced segment max/min below 32 features (8 for 16-bit floats) runs
     XLA's scatter (``cpu.traced_scatters``), its gradient too below 16 (else the
     planned product's), wider ones the plan; all give the float64 values, the first attaining position (``return_arg``; ties kept: values on
     a coarse grid), ``empty=``, and a gradient at that position only, dropping
-    out-of-range ids; a skewed segment (a hub) and empty ones included."""
+    out-of-range ids; a skewed segment (a hub) and empty ones included. (The bound
+    under which small values scatter at any width is set to 0, so that these small
+    values reach every regime; the rule's own test checks it.)"""
     from jaxcsr.kernels import cpu
 
+    monkeypatch.setattr(cpu, "TRACED_SCATTER_SMALL_VALUE", (0, 0))
     m, size = 37, 900
     ids = np.where(rng.random(size) < 0.3, 4, rng.integers(-2, m + 3, size)).astype(np.int32)
     ids[ids == 11] = 12  # an empty segment inside

@@ -107,6 +107,9 @@ scatter on CPU (values of 4 bytes or more; :func:`traced_scatters`)."""
 TRACED_SCATTER_MAX_WIDTH_16BIT = {"sum": 16, "max": 8, "min": 8, "max'": 8, "min'": 8}
 """Per reduce: the same bound for 16-bit floats."""
 TRACED_SCATTER_MAX_ELEMENTS = 2**24
+TRACED_SCATTER_SMALL_VALUE = (2**23, 2**19)
+"""A max/min value of fewer elements than this (4-byte, 16-bit values) and under 128
+features scatters at any width: the plan's fixed cost is not repaid."""
 
 
 def traced_scatters(
@@ -117,17 +120,22 @@ def traced_scatters(
     below :data:`TRACED_SCATTER_MAX_WIDTH` features (:data:`TRACED_SCATTER_MAX_WIDTH_16BIT`
     for 16-bit floats, which the kernels read at half the bytes; XLA adds them in
     float32) when the values hold fewer than :data:`TRACED_SCATTER_MAX_ELEMENTS`
-    elements. ``gradient``: whether a max/min's gradient scatters too (a narrower
-    bound: wider ones differentiate the planned product, whose backward is a masked
-    gather). The kernel's per-call cost (the sum's pieces with private partial
-    outputs; the max's sort) is repaid per value, so narrow values cannot repay it
-    (sums: ``benchmarks/results/cpu-xeon-avx512/traced_scatter/``, max and min:
+    elements; a max/min's value also below :data:`TRACED_SCATTER_SMALL_VALUE`.
+    ``gradient``: whether a max/min's gradient scatters too (a narrower bound: other
+    gradients are the planned product's, whose backward is a masked gather). The
+    kernel's per-call cost (the sum's pieces with private partial outputs; the max's
+    sort) is repaid per value, so narrow or few values cannot repay it (sums:
+    ``benchmarks/results/cpu-xeon-avx512/traced_scatter/``, max and min:
     ``benchmarks/results/cpu-xeon-avx512/traced_extremes/``)."""
     dtype = np.dtype(dtype)
     sixteen_bit = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
     key = f"{reduce}'" if gradient and reduce != "sum" else reduce
     limit = (TRACED_SCATTER_MAX_WIDTH_16BIT if sixteen_bit else TRACED_SCATTER_MAX_WIDTH)[key]
-    return width < limit and num_ids * width < TRACED_SCATTER_MAX_ELEMENTS
+    elements = num_ids * width
+    if key in ("max", "min") and width < 128:
+        if elements < TRACED_SCATTER_SMALL_VALUE[sixteen_bit]:
+            return True
+    return width < limit and elements < TRACED_SCATTER_MAX_ELEMENTS
 
 
 _TARGETS = {
