@@ -1,0 +1,176 @@
+"""What one busy core costs: ``python -m benchmarks.studies.busy_core``.
+
+A training loop shares its cores with data loaders. This study times the same cells
+twice, in turns with their peers: on a quiet machine, then with a second process
+spinning on core 0 (``os.sched_setaffinity``; the timed process may run anywhere).
+Systems: jaxcsr as it chooses, jaxcsr's XLA path (``impl="xla"``) and
+``jax.ops.segment_sum``, all jitted, forward and forward + backward, on static ids
+(planned once on the host) and traced ids (planned per call). Structures: a real
+graph's destinations shuffled, and uniform random ids. Writes ``busy_core.json`` and
+``busy_core.md`` to ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxcsr
+from benchmarks import measure, report
+from benchmarks.datasets import load_graph
+from jaxcsr import machine
+
+SYSTEMS = ("jaxcsr", "jaxcsr xla", "jax.ops")
+SPIN = "import os\nos.sched_setaffinity(0, {0})\nwhile True:\n    pass\n"
+
+
+@contextlib.contextmanager
+def busy_core(busy: bool):
+    """A process spinning on core 0 while the block runs (nothing when not ``busy``)."""
+    if not busy:
+        yield
+        return
+    spinner = subprocess.Popen([sys.executable, "-c", SPIN])
+    try:
+        yield
+    finally:
+        spinner.kill()
+        spinner.wait()
+
+
+def _structures(graphs, synthetic, rng):
+    for name in graphs:
+        graph = load_graph(name)
+        yield f"{graph.name} shuffled", rng.permutation(graph.dst).astype(np.int32), graph.num_nodes
+    for pair in synthetic:
+        k, m = (int(v) for v in pair.split("/"))
+        yield f"uniform {k} ids", rng.integers(0, m, k).astype(np.int32), m
+
+
+def _functions(ids: np.ndarray, m: int, traced: bool, backward: bool) -> dict:
+    """System -> a jitted function of the values (and the ids where ``traced``)."""
+    ops = {
+        "jaxcsr": lambda v, i: jaxcsr.segment_sum(v, i, m),
+        "jaxcsr xla": lambda v, i: jaxcsr.segment_sum(v, i, m, impl="xla"),
+        "jax.ops": lambda v, i: jax.ops.segment_sum(v, i, m),
+    }
+    fns = {}
+    for name, op in ops.items():
+        if backward:
+            ct = jnp.asarray(np.random.default_rng(1).standard_normal((m, 1)), jnp.float32)
+            op = jax.grad(lambda v, i, op=op: jnp.sum(op(v, i) * ct))
+        if traced:
+            fns[name] = jax.jit(op)
+        else:
+            fns[name] = jax.jit(lambda v, op=op: op(v, ids))
+    return fns
+
+
+def main(argv=None) -> dict:
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.studies.busy_core",
+        description=__doc__.split("\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    p.add_argument("--graphs", default="musae_github")
+    p.add_argument("--synthetic", default="1000000/100000", help="uniform ids as IDS/ROWS")
+    p.add_argument("--features", default="16,64", help="N, comma-separated")
+    p.add_argument("--repeats", type=int, default=9, help="timed rounds (median)")
+    p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
+    args = p.parse_args(argv)
+    if len(os.sched_getaffinity(0)) < 2:
+        raise SystemExit("needs at least two cores: one to keep busy, one to run on")
+    rng = np.random.default_rng(0)
+    synthetic = [v for v in args.synthetic.split(",") if v]
+    graphs = [g for g in args.graphs.split(",") if g]
+    cells = []
+    for label, ids, m in _structures(graphs, synthetic, rng):
+        for n in (int(f) for f in args.features.split(",")):
+            x = jnp.asarray(rng.standard_normal((len(ids), n)), jnp.float32)
+            for traced in (False, True):
+                for backward in (False, True):
+                    fns = _functions(ids, m, traced, backward)
+                    operands = (x, jnp.asarray(ids)) if traced else (x,)
+                    for f in fns.values():
+                        jax.block_until_ready(f(*operands))  # compiled before timing
+                    cells.append((label, m, len(ids), n, traced, backward, fns, operands))
+    rows = []
+    for busy in (False, True):
+        with busy_core(busy):
+            for label, m, k, n, traced, backward, fns, operands in cells:
+                thunks = {s: (lambda f=f: f(*operands)) for s, f in fns.items()}
+                timings, _ = measure.time_in_turns(thunks, args.repeats)
+                ms = {s: t.median_s * 1e3 for s, t in timings.items()}
+                row = {
+                    "structure": label, "rows": m, "ids": k, "n": n,
+                    "ids_kind": "traced" if traced else "static",
+                    "mode": "fwd+bwd" if backward else "fwd",
+                    "busy": busy, "ms": ms,
+                }  # fmt: skip
+                rows.append(row)
+                print(
+                    f"{'busy' if busy else 'quiet'} {label} N={n} {row['ids_kind']} "
+                    f"{row['mode']}: " + ", ".join(f"{s} {v:.2f} ms" for s, v in ms.items()),
+                    flush=True,
+                )
+    result = {
+        **report.provenance("benchmarks.studies.busy_core", argv),
+        "machine": machine.profile().summary(),
+        "rows": rows,
+    }
+    text = markdown(result)
+    report.write_study(args.out, "busy_core", result, text)
+    print(text)
+    return result
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# One busy core: segment_sum against jax.ops, quiet and with core 0 spinning",
+        "",
+        f"`{result['command']}` on {result['machine']}, jax {result['jax']}, "
+        f"commit {result['commit']}. Medians in ms; ratios are jax.ops time / system "
+        "time (above 1: faster than jax.ops).",
+        "",
+        "| structure | N | ids | mode | jax.ops quiet | jaxcsr quiet | xla quiet "
+        "| jax.ops busy | jaxcsr busy | xla busy |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    by_key: dict[tuple, dict[bool, dict]] = {}
+    for r in result["rows"]:
+        key = (r["structure"], r["n"], r["ids_kind"], r["mode"])
+        by_key.setdefault(key, {})[r["busy"]] = r["ms"]
+    busy_ratios = []
+    for (label, n, kind, mode), runs in by_key.items():
+        cells = []
+        for busy in (False, True):
+            ms = runs.get(busy)
+            if ms is None:
+                cells += ["", "", ""]
+                continue
+            base = ms["jax.ops"]
+            cells.append(f"{base:.2f} ms")
+            cells += [f"{base / ms[s]:.2f}x" for s in ("jaxcsr", "jaxcsr xla")]
+            if busy:
+                busy_ratios.append(base / ms["jaxcsr"])
+        lines.append(f"| {label} | {n} | {kind} | {mode} | " + " | ".join(cells) + " |")
+    if busy_ratios:
+        summary = report.ratio_summary(busy_ratios)
+        lines += [
+            "",
+            f"Busy: jaxcsr / jax.ops geometric mean {summary['geomean']:.2f}x, "
+            f"min {min(busy_ratios):.2f}x over {summary['cells']} cells.",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    main()
