@@ -106,6 +106,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=argparse.SUPPRESS,
         help="output folder (default benchmarks/results/latest; quick/ with --quick)",
     )
+    p.add_argument(
+        "--no-models",
+        action="store_true",
+        help="skip the models section (whole training steps: GCN on cora and tolokers, GAT "
+        "on cora and planetoid_pubmed, jraph and molecule batches; --quick: cora's and the "
+        "molecules')",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
     p.add_argument(
         "--no-malloc-hugepages",
@@ -344,6 +351,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     del case
                     gc.collect()
     print(f"all cells in {_clock(time.perf_counter() - start)}", file=sys.stderr)
+    model_rows = []
+    if not args.no_models:
+        from benchmarks import models
+
+        print("models: whole training steps", file=sys.stderr)
+        graphs = {"cora": ("gcn", "gat")} if args.quick else models.MAIN_JOB
+        batches = ("molecule",) if args.quick else models.BATCHES
+        model_rows = models.run(
+            graphs, batches, max(args.repeats, 5), args.seed,
+            progress=lambda line: print(f"  {line}", file=sys.stderr),
+        )  # fmt: skip
     cost = _run_cost(started)
     if cost["peak_rss_kib"] is not None:
         print(f"peak resident memory {cost['peak_rss_kib'] / 2**20:.1f} GiB", file=sys.stderr)
@@ -358,12 +376,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
         "run": cost,
         "rows": rows,
+        "models": model_rows,
     }
     if args.quick:
         print("SMOKE RUN (--quick): checks every system, not a benchmark; see docs/benchmarks.md")
     print(report.table(rows, shown, markdown=False))
     print(report.LEGEND.replace("`", ""))
     print(report.summary_line(rows))
+    if model_rows:
+        print("\n".join(report.models_section(model_rows)))
     failed = report.errors(rows)
     if failed:
         print("Peers that could not run a cell:\n" + "\n".join(failed).replace("`", ""))

@@ -238,6 +238,7 @@ def write_outputs(result: dict[str, Any], out_dir: Path, systems: list[str]) -> 
         "",
         summary_line(result["rows"]),
         "",
+        *models_section(result.get("models", [])),
     ]
     failed = errors(result["rows"])
     if failed:
@@ -337,3 +338,28 @@ def _plot(rows, systems, path: Path, plt) -> None:
     fig.tight_layout(rect=(0, 0.06, 1, 0.96))
     fig.savefig(path, dpi=100)
     plt.close(fig)
+
+
+def models_section(rows: list[dict[str, Any]]) -> list[str]:
+    """The main job's models section (:func:`benchmarks.models.run`'s rows): one line
+    per step, jaxcsr's time and each peer's with jaxcsr's speedup over it."""
+    if not rows:
+        return []
+    lines = [
+        "## Whole training steps (value and gradient, SGD update; ms, median)",
+        "",
+        "| graph | model | jaxcsr ms | peers: ms (jaxcsr speedup) | loss difference |",
+        "|---|---|---|---|---|",
+    ]
+    for r in rows:
+        peers = ", ".join(f"{k} {r['ms'][k]:.2f} ({r['speedup'][k]:.2f}x)" for k in r["speedup"])
+        lines.append(
+            f"| {r['graph']} | {r['model']} | {r['ms']['jaxcsr']:.2f} | {peers} "
+            f"| {r['loss_difference']:.1e} |"
+        )
+    versus_ops = [r["speedup"]["jax.ops"] for r in rows if "jax.ops" in r["speedup"]]
+    if versus_ops:
+        mean = math.exp(sum(math.log(v) for v in versus_ops) / len(versus_ops))
+        lines += ["", f"jaxcsr against the jax.ops model: geometric mean {mean:.2f}x, "
+                      f"min {min(versus_ops):.2f}x over {len(versus_ops)} steps."]  # fmt: skip
+    return [*lines, ""]

@@ -401,8 +401,9 @@ def _scatter_sum(x: jax.Array, ids: jax.Array, num_segments: int, sorted_ids: bo
     return out.astype(x.dtype)
 
 
-def _scatter_extreme(x: jax.Array, ids: jax.Array, num_segments: int, sorted_ids: bool,
-                     reduce: str) -> jax.Array:
+def _scatter_extreme(
+    x: jax.Array, ids: jax.Array, num_segments: int, sorted_ids: bool, reduce: str
+) -> jax.Array:
     """XLA's scatter-max/min of ``x (n, F)``, as ``jax.ops.segment_max``/``min`` run it:
     out-of-range ids dropped, empty segments at the dtype's identity."""
     out = jnp.full((num_segments, *x.shape[1:]), _identity(x.dtype, reduce), x.dtype)
@@ -421,8 +422,10 @@ def _first_attaining(x, ids, out, sorted_ids: bool) -> jax.Array:
     if jnp.issubdtype(x.dtype, jnp.inexact):
         hit = hit | (jnp.isnan(x) & jnp.isnan(target))
     positions = jnp.where(hit, jnp.arange(n, dtype=jnp.int32)[:, None], n)
-    return jnp.full(out.shape, n, jnp.int32).at[ids].min(
-        positions, mode="drop", indices_are_sorted=sorted_ids, wrap_negative_indices=False
+    return (
+        jnp.full(out.shape, n, jnp.int32)
+        .at[ids]
+        .min(positions, mode="drop", indices_are_sorted=sorted_ids, wrap_negative_indices=False)
     )
 
 

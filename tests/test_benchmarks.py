@@ -59,6 +59,14 @@ def test_quick_benchmark_writes_checked_results(tmp_path, capsys):
     assert "| graph |" in (tmp_path / "results.md").read_text()
     assert report.summary_line(rows) in (tmp_path / "results.md").read_text()
     assert "jaxcsr" in capsys.readouterr().out
+    # the models section: cora's GCN and GAT steps and the molecule batch, each system
+    # stepping to the same loss as jaxcsr
+    models = saved["models"]
+    assert [m["model"].split(" ")[:2] for m in models] == [
+        ["gcn", "step"], ["gat", "step"], ["molecule", "step"]
+    ]  # fmt: skip
+    assert all(m["loss_difference"] < 1e-5 and set(m["speedup"]) >= {"jax.ops"} for m in models)
+    assert "## Whole training steps" in (tmp_path / "results.md").read_text()
 
 
 def _row(ours, **peers):
@@ -190,6 +198,18 @@ def test_one_piece_study(tmp_path):
     assert (
         "| cora shuffled | 2708 | 10556 | 8 | float32 |" in (tmp_path / "one_piece.md").read_text()
     )
+
+
+def test_busy_core_study(tmp_path):
+    """Cora at N = 4, quiet and with core 0 spinning: every system's output agrees."""
+    from benchmarks.studies import busy_core
+
+    argv = ["--graphs", "cora", "--synthetic", "", "--features", "4", "--repeats", "1"]
+    result = busy_core.main([*argv, "--out", str(tmp_path)])
+    assert {r["busy"] for r in result["rows"]} == {False, True}
+    assert len(result["rows"]) == 8  # static and traced, fwd and fwd+bwd, quiet and busy
+    assert all(r["max_relative_difference"] < 1e-5 for r in result["rows"])
+    assert "| cora shuffled | 4 | traced | fwd+bwd |" in (tmp_path / "busy_core.md").read_text()
 
 
 def test_jax_systems_take_their_index_arrays_as_arguments():

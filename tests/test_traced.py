@@ -665,11 +665,12 @@ def _extreme_reference(x: np.ndarray, ids: np.ndarray, m: int, reduce: str):
 def test_narrow_traced_extremes_scatter_on_cpu(rng, monkeypatch, reduce, width, dtype):
     """On CPU a traced segment max/min below 32 features (8 for 16-bit floats) runs
     XLA's scatter (``cpu.traced_scatters``), its gradient too below 16 (else the
-    planned product's), wider ones the plan; all give the float64 values, the first attaining position (``return_arg``; ties kept: values on
-    a coarse grid), ``empty=``, and a gradient at that position only, dropping
-    out-of-range ids; a skewed segment (a hub) and empty ones included. (The bound
-    under which small values scatter at any width is set to 0, so that these small
-    values reach every regime; the rule's own test checks it.)"""
+    planned product's), wider ones the plan; all give the float64 values, the first
+    attaining position (``return_arg``; ties kept: values on a coarse grid), ``empty=``,
+    and a gradient at that position only, dropping out-of-range ids; a skewed segment
+    (a hub) and empty ones included. (The bound under which small values scatter at
+    any width is set to 0, so that these small values reach every regime; the rule's
+    own test checks it.)"""
     from jaxcsr.kernels import cpu
 
     monkeypatch.setattr(cpu, "TRACED_SCATTER_SMALL_VALUE", (0, 0))
