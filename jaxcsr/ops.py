@@ -679,14 +679,25 @@ def _batch(batched_args, batch_dims, *, index_tree, has_data, **params):
         n, b, f = x3.shape
         out = product(x3.reshape(n, b * f), data, index, **params)
         return out.reshape(m, b, f), 1
-    # Batched values: one product per set of values.
+    # Batched values: one product per set of values; a few sets (attention heads) as
+    # separate products in the program, more in a loop.
     data = jnp.moveaxis(data, data_bd, 0)
+    x = x if x_bd is None else jnp.moveaxis(x, x_bd, 0)
+
+    def one(d, x_one):
+        return product(x_one, d, index, **params)
+
+    if data.shape[0] <= UNROLLED_VALUE_SETS:
+        return jnp.stack([one(d, x if x_bd is None else x[i]) for i, d in enumerate(data)]), 0
     if x_bd is None:
-        out = jax.lax.map(lambda d: product(x, d, index, **params), data)
-    else:
-        x = jnp.moveaxis(x, x_bd, 0)
-        out = jax.lax.map(lambda dx: product(dx[1], dx[0], index, **params), (data, x))
-    return out, 0
+        return jax.lax.map(lambda d: one(d, x), data), 0
+    return jax.lax.map(lambda dx: one(*dx), (data, x)), 0
+
+
+UNROLLED_VALUE_SETS = 16
+"""``vmap`` over at most this many sets of values (per-head attention weights) binds one
+product per set; more run in a ``lax.map`` loop, whose per-iteration cost small
+products cannot repay."""
 
 
 batching.primitive_batchers[csr_matmul_p] = _batch

@@ -17,7 +17,7 @@ from reference import (
     random_values,
 )
 
-from jaxcsr import CSRMatrix
+from jaxcsr import CSRMatrix, ops
 
 
 def _matrices(rng):
@@ -100,13 +100,19 @@ def test_vmap_over_dense_operand(rng, kind):
     assert_close(out, np.einsum("mn,nfb->bmf", dense_of(A), xs.transpose(1, 2, 0)), np.float32)
 
 
-def test_vmap_over_matrix_values_and_grad_of_vmap(rng):
+@pytest.mark.parametrize("sets", [3, ops.UNROLLED_VALUE_SETS + 1])  # products, or a loop
+def test_vmap_over_matrix_values_and_grad_of_vmap(rng, sets):
     A = _matrix(rng, "general")
-    ws = random_values(rng, (3, A.nnz)).astype(np.float32)
+    ws = random_values(rng, (sets, A.nnz)).astype(np.float32)
     x = random_values(rng, (A.shape[1], 2)).astype(np.float32)
     out = jax.vmap(lambda w: A.with_data(w) @ x)(jnp.asarray(ws))
-    for b in range(3):
+    for b in range(sets):
         assert_close(out[b], A.with_data(ws[b]).to_scipy() @ x.astype(np.float64), np.float32)
+    xs_per_set = random_values(rng, (sets, *x.shape)).astype(np.float32)
+    both = jax.vmap(lambda w, v: A.with_data(w) @ v)(jnp.asarray(ws), jnp.asarray(xs_per_set))
+    for b in range(sets):
+        want = A.with_data(ws[b]).to_scipy() @ xs_per_set[b].astype(np.float64)
+        assert_close(both[b], want, np.float32)
     xs = random_values(rng, (2, *x.shape)).astype(np.float32)
     g = jax.grad(lambda xs: jnp.sum(jax.vmap(lambda v: A @ v)(xs) ** 2))(jnp.asarray(xs))
     dense = dense_of(A)
