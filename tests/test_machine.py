@@ -171,14 +171,22 @@ def test_strategy_says_what_runs_and_why(rng):
     assert "jaxcsr_cpu_pull" in text and "jaxcsr_cpu_push" not in text
     sorted_ids = CSRMatrix.from_indices(np.sort(rng.integers(0, 30, 400)), 30)
     assert cpu.choose(sorted_ids.structure, 4).kernel == "pull"
+    # one feature in one piece: the push (one sequential loop), two or more the pull
+    assert cpu.choose(few.structure, 1) == cpu.Strategy(
+        "push", "one piece (3000 rows, 5000 ids), one feature: the push", 1
+    )
+    assert cpu.choose(few.structure, 2).kernel == "pull"
+    text = jax.jit(lambda A, x: A @ x).lower(few, jnp.ones((5000, 1))).as_text()
+    assert "jaxcsr_cpu_push" in text and "jaxcsr_cpu_pull" not in text
 
 
 @needs_native
+@pytest.mark.parametrize("f", [2, 5, 7, 24])  # 2-7: the pull's fixed-width loops
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
-def test_one_piece_pull_and_push_give_the_same_bits(rng, dtype):
+def test_one_piece_pull_and_push_give_the_same_bits(rng, dtype, f):
     """Unsorted ids in one piece, weighted and not, sum/max/min, jitted and under vmap:
-    the pull jaxcsr chooses and the push it replaces reduce each row in input order."""
-    m, k, f = 4000, 6000, 24
+    the pull jaxcsr chooses and the push reduce each row in input order."""
+    m, k = 4000, 6000
     ids = power_law_ids(rng, k, m)
     rng.shuffle(ids)
     x = random_values(rng, (k, f)).astype(dtype)

@@ -153,8 +153,9 @@ _MAX_THREADS = 0
 # allows; tests force each to compare their bits (_gather_stores)
 _GATHER_STORES = 0
 _REDUCE = {"sum": 0, "max": 1, "min": 2}
-# what unsorted ids in one piece run: the pull, or the push tests force to compare bits
-_ONE_PIECE = "pull"
+# what unsorted ids in one piece run: None as choose() decides, or the kernel tests and
+# the one_piece study force to compare the two
+_ONE_PIECE: str | None = None
 
 
 def library_path() -> Path | None:
@@ -212,8 +213,9 @@ def threads(n: int) -> Iterator[None]:
 @contextlib.contextmanager
 def one_piece(kernel: str) -> Iterator[None]:
     """Unsorted ids that reduce in one piece run ``kernel`` in products traced inside the
-    block: ``"pull"`` (the choice) or ``"push"`` (what ran before; tests and
-    ``benchmarks.studies.one_piece`` compare the two). The same bits either way."""
+    block: ``"pull"`` or ``"push"``, whatever :func:`choose` would pick (tests and
+    ``benchmarks.studies.one_piece`` compare the two). The same bits either way, except
+    for one feature: the pull then sums each row in eight interleaved lanes."""
     global _ONE_PIECE
     if kernel not in ("pull", "push"):
         raise ValueError(f"kernel must be 'pull' or 'push', got {kernel!r}")
@@ -289,9 +291,11 @@ def choose(
     planned sort -- and the pull runs: it reads ``x`` through the sort once and writes
     each output row once, where the one-piece push splits rows' features over the
     threads and updates output rows at random (the pull measured 1.04-2.62x faster in
-    all 23 one-piece cells on 2 Intel Xeon cores, 1.2-391 MiB outputs:
-    ``benchmarks/results/cpu-xeon-avx512/one_piece/one_piece.md``). With 2 or 4 pieces only the
-    push reduces in that order. Ids planned on the device push: they have no sort to
+    all 23 one-piece cells of 16-256 features on 2 Intel Xeon cores, 1.2-391 MiB
+    outputs, and 1.45-3.02x at 2-7 features). One feature is the exception: the push,
+    one sequential loop, measured 1.3-2.2x faster than the pull's gathers in float32
+    (``benchmarks/results/cpu-xeon-avx512/one_piece/one_piece.md``). With 2 or 4 pieces
+    only the push reduces in that order. Ids planned on the device push: they have no sort to
     pull through.
     """
     if view.one_per_row:
@@ -310,8 +314,10 @@ def choose(
         return Strategy(
             "push", f"{pieces} pieces of ids into private partials ({m} rows, {n} ids)", pieces
         )
+    if _ONE_PIECE == "push" or (_ONE_PIECE is None and n_features == 1):
+        return Strategy("push", f"one piece ({m} rows, {n} ids), one feature: the push", 1)
     return Strategy(
-        _ONE_PIECE, f"one piece ({m} rows, {n} ids): the pull through the sort, same order", 1
+        "pull", f"one piece ({m} rows, {n} ids): the pull through the sort, same order", 1
     )
 
 

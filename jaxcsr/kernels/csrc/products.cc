@@ -102,6 +102,30 @@ JAXCSR_INLINE void pull_rows_blocks(const int32_t* indptr, const int32_t* cols,
   }
 }
 
+// Rows [lo, hi) of the pull product for F = 2..7 features: the loop of the general case
+// below with the width fixed at compile time, so the feature loop unrolls (the general
+// loop measured 2-4x slower than jax.ops' scatter at these widths). Same operations in
+// the same order: the same bits.
+template <typename In, typename Out, typename Op, int F>
+JAXCSR_INLINE void pull_rows_narrow(const int32_t* indptr, const int32_t* cols,
+                                    const typename In::Storage* data,
+                                    const typename In::Storage* x, typename Out::Storage* y,
+                                    int64_t lo, int64_t hi, uint64_t n, bool& bad) {
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t j0 = indptr[r], j1 = indptr[r + 1];
+    float a[F];
+    for (int i = 0; i < F; ++i) a[i] = Op::init;
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t col = checked_column(cols, j, j1, x, F, n, bad);
+      if (col < 0) continue;
+      const float w = data ? In::load(data[j]) : 1.0f;
+      const typename In::Storage* row = x + col * F;
+      for (int i = 0; i < F; ++i) a[i] = Op::combine(a[i], w * In::load(row[i]));
+    }
+    store_row<Out>(y + r * F, a, F, j1 == j0);
+  }
+}
+
 // Rows [lo, hi) of the pull product. Up to 32 features a row's accumulators stay in
 // registers; wider rows accumulate in ``acc`` (f floats, in L1). One pass over each
 // row's entries either way.
@@ -176,6 +200,15 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
     // faster for sums and slower for max, so those keep the loop
     if (cols && f > 64 && f % 8 == 0)
       return pull_rows_blocks<In, Out, Op>(indptr, cols, data, x, y, f, lo, hi, n, bad);
+  }
+  switch (f) {
+    case 2: return pull_rows_narrow<In, Out, Op, 2>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 3: return pull_rows_narrow<In, Out, Op, 3>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 4: return pull_rows_narrow<In, Out, Op, 4>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 5: return pull_rows_narrow<In, Out, Op, 5>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 6: return pull_rows_narrow<In, Out, Op, 6>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 7: return pull_rows_narrow<In, Out, Op, 7>(indptr, cols, data, x, y, lo, hi, n, bad);
+    default: break;
   }
   constexpr int64_t kWidth = 32;
   float local[kWidth];
