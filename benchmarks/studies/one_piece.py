@@ -2,9 +2,10 @@
 
 Where a push of unsorted segment ids would take one piece
 (:func:`jaxcsr.kernels.cpu.push_pieces`), each row is reduced over its ids in input
-order, which is also the order of a pull through the planned sort: jaxcsr chooses the
-pull. This study times both on the same cells, in turns, and checks their bits are
-equal: the embedded graphs with their ids shuffled and synthetic uniform ids, at the
+order, which is also the order of a pull through the planned sort (except for one
+feature, where the pull sums in eight lanes): jaxcsr chooses the pull, and the push
+for one feature. This study times both on the same cells, in turns, and checks their
+bits: the embedded graphs with their ids shuffled and synthetic uniform ids, at the
 widths where one piece runs (cells of 2 or 4 pieces are skipped: only the push reduces
 in their order). Writes ``one_piece.json`` and ``one_piece.md`` to ``--out``.
 """
