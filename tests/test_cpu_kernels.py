@@ -339,6 +339,25 @@ def _push_threads_agree(rng, A, dtype, widths, inputs=None):
     return outputs, used
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_narrow_pull_and_one_feature_push_on_any_thread_count(rng, dtype):
+    """Unsorted ids in one piece at 1 (the push), 3 and 6 features (the pull's
+    fixed-width loops), enough work for every thread: sum, max and min against float64,
+    and the same bits on one thread as on all."""
+    m, k = 30000, 45000
+    ids = power_law_ids(rng, k, m)
+    rng.shuffle(ids)
+    A = CSRMatrix.from_indices(ids, m)
+    assert [cpu.choose(A.structure, f).kernel for f in (1, 3, 6)] == ["push", "pull", "pull"]
+    _push_threads_agree(rng, A, dtype, (3, 6))
+    x = random_values(rng, (k, 1)).astype(dtype)
+    with cpu.threads(1):
+        one = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu"))(A, x)
+    every = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu"))(A, x)
+    np.testing.assert_array_equal(np.asarray(one), np.asarray(every))
+    assert_close(every, reduce_reference(A, np.asarray(x, np.float64), "sum")[0], dtype)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
 def test_sixteen_bit_push_with_few_ids_per_row_runs_two_pieces(rng, dtype):
     """16-bit values with 2 to 4 unsorted ids per row (too few for the float32 rule)
