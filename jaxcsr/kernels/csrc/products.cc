@@ -192,7 +192,11 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
     switch (f) {
       case 8: return pull_rows_vectors<In, Out, Op, 1>(indptr, cols, data, x, y, lo, hi, n, bad);
       case 16: return pull_rows_vectors<In, Out, Op, 2>(indptr, cols, data, x, y, lo, hi, n, bad);
+      case 24: return pull_rows_vectors<In, Out, Op, 3>(indptr, cols, data, x, y, lo, hi, n, bad);
       case 32: return pull_rows_vectors<In, Out, Op, 4>(indptr, cols, data, x, y, lo, hi, n, bad);
+      case 40: return pull_rows_vectors<In, Out, Op, 5>(indptr, cols, data, x, y, lo, hi, n, bad);
+      case 48: return pull_rows_vectors<In, Out, Op, 6>(indptr, cols, data, x, y, lo, hi, n, bad);
+      case 56: return pull_rows_vectors<In, Out, Op, 7>(indptr, cols, data, x, y, lo, hi, n, bad);
       case 64: return pull_rows_vectors<In, Out, Op, 8>(indptr, cols, data, x, y, lo, hi, n, bad);
       default: break;
     }
