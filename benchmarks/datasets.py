@@ -70,6 +70,18 @@ def load_graph(name_or_path: str) -> Graph:
     return Graph(path.stem, mat.col.astype(np.int64), mat.row.astype(np.int64), mat.shape[0])
 
 
+def shuffled_and_uniform_ids(graphs, synthetic, rng: np.random.Generator):
+    """``(label, ids, rows)`` for the studies that take ids in no order: each of
+    ``graphs``' destinations shuffled, then for each ``"IDS/ROWS"`` of ``synthetic``
+    uniform random ids."""
+    for name in graphs:
+        graph = load_graph(name)
+        yield f"{graph.name} shuffled", rng.permutation(graph.dst), graph.num_nodes
+    for pair in synthetic:
+        k, m = (int(v) for v in pair.split("/"))
+        yield f"uniform {k} ids", rng.integers(0, m, k), m
+
+
 def padded_molecules(
     rng: np.random.Generator,
     graphs: int,

@@ -359,7 +359,7 @@ def models_section(rows: list[dict[str, Any]]) -> list[str]:
         )
     versus_ops = [r["speedup"]["jax.ops"] for r in rows if "jax.ops" in r["speedup"]]
     if versus_ops:
-        mean = math.exp(sum(math.log(v) for v in versus_ops) / len(versus_ops))
+        mean = ratio_summary(versus_ops)["geomean"]
         lines += ["", f"jaxcsr against the jax.ops model: geometric mean {mean:.2f}x, "
                       f"min {min(versus_ops):.2f}x over {len(versus_ops)} steps."]  # fmt: skip
     return [*lines, ""]

@@ -467,7 +467,7 @@ def _scatter_on_cpu(x, ids, num_segments, sorted_ids, reduce, return_arg, fill, 
     scatters too where :func:`kernels.traced_scatters_on_cpu` says so, else it is the
     ``planned`` product's."""
     if ids.dtype.itemsize > 4:  # XLA's CPU scatter would wrap int64 ids into range
-        ids = jnp.where((ids >= 0) & (ids < num_segments), ids, -1).astype(jnp.int32)
+        ids = _dropped_as_minus_one(ids, num_segments)
     if reduce == "sum":
         return _scatter_sum(x, ids, num_segments, sorted_ids)
     if not jnp.issubdtype(x.dtype, jnp.inexact):

@@ -28,7 +28,7 @@ import numpy as np
 
 import jaxcsr
 from benchmarks import measure, report
-from benchmarks.datasets import load_graph
+from benchmarks.datasets import shuffled_and_uniform_ids
 from jaxcsr import machine
 from jaxcsr.kernels import cpu
 
@@ -48,15 +48,6 @@ def busy_core(busy: bool):
     finally:
         spinner.kill()
         spinner.wait()
-
-
-def _structures(graphs, synthetic, rng):
-    for name in graphs:
-        graph = load_graph(name)
-        yield f"{graph.name} shuffled", rng.permutation(graph.dst).astype(np.int32), graph.num_nodes
-    for pair in synthetic:
-        k, m = (int(v) for v in pair.split("/"))
-        yield f"uniform {k} ids", rng.integers(0, m, k).astype(np.int32), m
 
 
 def _functions(ids: np.ndarray, m: int, traced: bool, backward: bool) -> dict:
@@ -103,7 +94,8 @@ def main(argv=None) -> dict:
     synthetic = [v for v in args.synthetic.split(",") if v]
     graphs = [g for g in args.graphs.split(",") if g]
     cells = []
-    for label, ids, m in _structures(graphs, synthetic, rng):
+    for label, ids, m in shuffled_and_uniform_ids(graphs, synthetic, rng):
+        ids = ids.astype(np.int32)
         for n in (int(f) for f in args.features.split(",")):
             x = jnp.asarray(rng.standard_normal((len(ids), n)), jnp.float32)
             for traced in (False, True):

@@ -21,19 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import measure, report
-from benchmarks.datasets import load_graph
+from benchmarks.datasets import shuffled_and_uniform_ids
 from jaxcsr import CSRMatrix, machine
 from jaxcsr.kernels import cpu
-
-
-def _structures(graphs, synthetic, rng):
-    """(label, ids, rows): the graphs' destinations shuffled, then synthetic ids."""
-    for name in graphs:
-        graph = load_graph(name)
-        yield f"{graph.name} shuffled", rng.permutation(graph.dst), graph.num_nodes
-    for pair in synthetic:
-        k, m = (int(v) for v in pair.split("/"))
-        yield f"uniform {k} ids", rng.integers(0, m, k), m
 
 
 def main(argv=None) -> dict:
@@ -58,7 +48,8 @@ def main(argv=None) -> dict:
     rng = np.random.default_rng(0)
     rows = []
     synthetic = [v for v in args.synthetic.split(",") if v]
-    for label, ids, m in _structures([g for g in args.graphs.split(",") if g], synthetic, rng):
+    graphs = [g for g in args.graphs.split(",") if g]
+    for label, ids, m in shuffled_and_uniform_ids(graphs, synthetic, rng):
         A = CSRMatrix.from_indices(ids, num_rows=m)
         for dtype in args.dtypes.split(","):
             itemsize = np.dtype(jnp.dtype(dtype)).itemsize
