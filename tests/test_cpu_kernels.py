@@ -719,6 +719,26 @@ def test_native_softmax_and_its_gradient_match_float64(rng, kind):
             assert_close(backward(x, g), softmax_grad_reference(want, g, rows, m), dtype)
 
 
+@pytest.mark.parametrize("heads", [1, 2, 3, 4, 8])
+def test_native_softmax_of_few_heads_matches_float64(rng, heads):
+    """1-8 heads. Sorted rows run in batches of whole rows that fill the kernel's
+    buffer (8192 floats): 6000 entries cross several batches; a hub row longer than the
+    buffer takes the row loop, short rows end mid-vector (1-4 heads hold several entries
+    per vector), empty rows are skipped. Unsorted ids push eight values at a time
+    across entries (below 8 heads). Forward and backward against float64."""
+    ids = np.sort(power_law_ids(rng, 6000, 700))
+    ids[:3000] = ids[0]  # a hub of 3000 entries: past the buffer from 3 heads on
+    ids.sort()
+    for these in (ids, rng.permutation(ids)):
+        for dtype in DTYPES:
+            x = jnp.asarray(3 * rng.standard_normal((ids.size, heads)), dtype)
+            g = jnp.asarray(rng.standard_normal((ids.size, heads)), dtype)
+            out, vjp = jax.vjp(lambda x, these=these: jaxcsr.segment_softmax(x, these, 700), x)
+            want = softmax_reference(x, these, 700)
+            assert_close(out, want, dtype)
+            assert_close(vjp(g)[0], softmax_grad_reference(want, g, these, 700), dtype)
+
+
 def test_native_softmax_keeps_long_rows_of_16_bit_outputs_exact(rng):
     """A row longer than the kernel's buffer of kept exps (8192 floats): 16-bit
     outputs compute the exps again, float32 ones keep them in the output."""
@@ -914,7 +934,7 @@ def test_instruction_sets_give_the_same_bits(tmp_path, rng):
     cpu_level = _cpu_isa_level()
     for cap, level in (("baseline", 0), ("avx2", 1), ("", 2)):
         assert int(results[cap].pop("isa")) == min(level, cpu_level), cap
-    assert len(results[""]) == 3 * 5 * (3 * 6 + 4)  # dtypes x widths x outputs
+    assert len(results[""]) == 3 * (5 * (3 * 6 + 4) + 2 * 4 * 2)  # dtypes x widths x outputs
     for cap in ("baseline", "avx2"):
         assert results[cap].keys() == results[""].keys()
         for key, value in results[""].items():
@@ -1007,8 +1027,19 @@ def test_sanitizer_build_finds_nothing(tmp_path, rng):
     library = tmp_path / "_cpu_kernels_sanitized.so"
     flags = ["-std=c++17", "-O0", "-g", "-fno-omit-frame-pointer", "-fPIC", "-shared"]
     flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
+    objects = [tmp_path / f"{Path(source).stem}.o" for source in sources]
+    compiles = [  # one compiler per source at once, as setup.py builds them
+        subprocess.Popen(
+            ["g++", *flags, f"-I{jax.ffi.include_dir()}", "-c", source, "-o", str(obj)],
+            stderr=subprocess.PIPE, text=True,
+        )
+        for source, obj in zip(sources, objects, strict=True)
+    ]  # fmt: skip
+    for compile_ in compiles:
+        _, stderr = compile_.communicate(timeout=900)
+        assert compile_.returncode == 0, stderr[-3000:]
     build = subprocess.run(
-        ["g++", *flags, f"-I{jax.ffi.include_dir()}", *sources, "-o", str(library)],
+        ["g++", *flags, *map(str, objects), "-o", str(library)],
         capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert build.returncode == 0, build.stderr[-3000:]

@@ -54,6 +54,14 @@ def main() -> None:
             outs[f"{name} {f} general vjp"] = jax.vjp(lambda x, d: G.with_data(d) @ x, x, G.data)[
                 1
             ](ct)
+        # 2-8 heads: sorted rows (a few entries per vector, or a scalar loop at 5) and
+        # unsorted ids (pushes of eight values across entries below 8 heads)
+        for order, these in (("sorted", np.sort(ids)), ("unsorted", ids)):
+            for heads in (2, 4, 5, 8):
+                v = jnp.asarray(rng.standard_normal((k, heads)), dtype)
+                out, vjp = jax.vjp(lambda v, these=these: jaxcsr.segment_softmax(v, these, m), v)
+                outs[f"{name} {heads} heads {order} softmax"] = out
+                outs[f"{name} {heads} heads {order} softmax grad"] = vjp(out)[0]
     leaves = jax.tree_util.tree_leaves_with_path(outs)  # the VJP's pair: two leaves
     np.savez(
         sys.argv[1],

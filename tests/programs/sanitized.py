@@ -25,9 +25,10 @@ def main() -> None:
             rows, cols, rng.standard_normal(k).astype(np.float32), shape=(int(m), int(n))
         )
         for dtype in (np.float32, jnp.bfloat16, np.float16):
-            # one feature, and a width per trial: 33 (a loop over features), 16 and 64
-            # (whole vectors; sixteen softmax lanes with AVX-512), 136 (pull blocks: 64 + 64 + 8)
-            for f in (1, (33, 16, 64, 136)[trial]):
+            # one feature, 4 or 3 (the softmax's few-heads loops), and a width per trial:
+            # 33 (a loop over features), 16 and 64 (whole vectors; sixteen softmax lanes
+            # with AVX-512), 136 (pull blocks: 64 + 64 + 8)
+            for f in (1, (4, 3)[trial % 2], (33, 16, 64, 136)[trial]):
                 v = jnp.asarray(rng.standard_normal((k, f)), dtype)
                 x = jnp.asarray(rng.standard_normal((n, f)), dtype)
                 y = jnp.asarray(rng.standard_normal((m, f)), dtype)

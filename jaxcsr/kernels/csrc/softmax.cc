@@ -246,6 +246,141 @@ JAXCSR_INLINE void tangent_row(const typename In::Storage* __restrict p,
     }
 }
 
+// buffer[0:n] = exp(buffer[0:n]) in whole vectors of sixteen where the CPU has
+// AVX-512 (exp16: the same bits as exp8), else eight (up to 15 floats past n are read
+// and written).
+JAXCSR_AVX512 void exp_in_place16(float* buffer, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    f32x16 v;
+    std::memcpy(&v, buffer + i, sizeof v);
+    v = exp16(v);
+    std::memcpy(buffer + i, &v, sizeof v);
+  }
+}
+
+JAXCSR_INLINE void exp_in_place(float* buffer, int64_t n) {
+  if (has_avx512()) return exp_in_place16(buffer, n);
+  for (int64_t i = 0; i < n; i += 8) {
+    f32x8 v;
+    std::memcpy(&v, buffer + i, sizeof v);
+    v = exp8(v);
+    std::memcpy(buffer + i, &v, sizeof v);
+  }
+}
+
+// Lane l of a vector combined with every lane that holds the same head: for H heads
+// dividing 8 (lane l holds head l % H), in a fixed tree (neighbours, then pairs, then
+// halves). For one head the sum is fold_lanes' tree.
+template <typename Op, int H>
+JAXCSR_INLINE f32x8 fold_period(f32x8 v) {
+  if constexpr (H == 1) v = combine8<Op>(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6));
+  if constexpr (H <= 2) v = combine8<Op>(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5));
+  if constexpr (H <= 4) v = combine8<Op>(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3));
+  return v;
+}
+
+// Rows [lo, hi) of a sorted pattern with h <= 8 heads (Fixed: 1, 2, 4 or 8 at compile
+// time; 0: 3, 5, 6 or 7, read at run time), in batches of whole rows whose values fit in ``buffer`` (kRowBuffer floats, 16 more to
+// spare), three passes each: every row's peak per head and x - peak into the buffer;
+// exp over the whole batch in full vectors (rows of a few entries of a few heads fill
+// part of a vector); every row's sums and its scaled outputs. A row's values are
+// contiguous, so for h dividing 8 a vector from the row's start holds head l % h in
+// lane l: each head is summed in 8 / h interleaved lanes, combined by fold_period (one
+// head: eight lanes and fold_lanes' tree, as softmax_row); other counts sum each head
+// in entry order (as softmax_heads). A row too long for the buffer takes softmax_row.
+template <typename In, typename Out, int Fixed>
+JAXCSR_INLINE void softmax_rows_narrow(const int32_t* indptr, const typename In::Storage* x,
+                                       typename Out::Storage* y, int64_t h, int64_t lo,
+                                       int64_t hi, float* __restrict buffer, int64_t entries) {
+  constexpr bool vectors = Fixed > 0;  // 1, 2, 4 or 8 heads; 0: h (3, 5, 6 or 7) at run time
+  constexpr int H = vectors ? Fixed : 8;  // the heads, or the room for them
+  if constexpr (vectors) h = H;
+  const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+  for (int64_t r = lo; r < hi;) {
+    const int64_t j0 = indptr[r];
+    if ((indptr[r + 1] - j0) * h > kRowBuffer) {
+      softmax_row<In, Out>(x + j0 * h, y + j0 * h, indptr[r + 1] - j0, h, buffer, entries - j0);
+      ++r;
+      continue;
+    }
+    int64_t r1 = r + 1;
+    while (r1 < hi && (indptr[r1 + 1] - j0) * h <= kRowBuffer) ++r1;
+    for (int64_t q = r; q < r1; ++q) {
+      const int64_t n = (indptr[q + 1] - indptr[q]) * h;
+      const auto* xq = x + indptr[q] * h;
+      float* bq = buffer + (indptr[q] - j0) * h;
+      if constexpr (vectors) {
+        const int64_t readable = (entries - indptr[q]) * h;
+        f32x8 top = splat(-__builtin_inff());
+        for (int64_t i = 0; i < n; i += 8)
+          top = max8(top, load8_row<In>(xq, i, n, readable, -__builtin_inff()));
+        top = fold_period<Max, H>(top);
+        top = top - top == 0.0f ? top : splat(0.0f);  // finite_or_zero, lane by lane
+        for (int64_t i = 0; i < n; i += 8) {  // a tail's extra lanes land in the next row
+          const f32x8 d = load8_row<In>(xq, i, n, readable, 0.0f) - top;
+          std::memcpy(bq + i, &d, sizeof d);
+        }
+      } else {
+        float top[H];
+        for (int c = 0; c < h; ++c) top[c] = -__builtin_inff();
+        for (int64_t i = 0; i < n; i += h)
+          for (int c = 0; c < h; ++c) top[c] = Max::combine(top[c], In::load(xq[i + c]));
+        for (int c = 0; c < h; ++c) top[c] = finite_or_zero(top[c]);
+        for (int64_t i = 0; i < n; i += h)
+          for (int c = 0; c < h; ++c) bq[i + c] = In::load(xq[i + c]) - top[c];
+      }
+    }
+    exp_in_place(buffer, (indptr[r1] - j0) * h);
+    for (int64_t q = r; q < r1; ++q) {
+      const int64_t n = (indptr[q + 1] - indptr[q]) * h;
+      if (n == 0) continue;
+      const float* e = buffer + (indptr[q] - j0) * h;
+      auto* yq = y + indptr[q] * h;
+      if constexpr (vectors) {
+        f32x8 sum = splat(0.0f);
+        for (int64_t i = 0; i < n; i += 8) {
+          f32x8 v;
+          std::memcpy(&v, e + i, sizeof v);
+          sum += lane < (i32x8{} + static_cast<int32_t>(n - i)) ? v : splat(0.0f);
+        }
+        const f32x8 scale = splat(1.0f) / fold_period<Sum, H>(sum);
+        for (int64_t i = 0; i < n; i += 8) {
+          f32x8 v;
+          std::memcpy(&v, e + i, sizeof v);
+          store8<Out>(yq + i, v * scale, n - i);
+        }
+      } else {
+        float scale[H] = {};
+        for (int64_t i = 0; i < n; i += h)
+          for (int c = 0; c < h; ++c) scale[c] += e[i + c];
+        for (int c = 0; c < h; ++c) scale[c] = 1.0f / scale[c];
+        for (int64_t i = 0; i < n; i += h)
+          for (int c = 0; c < h; ++c) yq[i + c] = Out::store(e[i + c] * scale[c]);
+      }
+    }
+    r = r1;
+  }
+}
+
+// tangent_row of H = 2, 4 or 8 heads (a compile-time count: the same operations and
+// order).
+template <typename In, typename Out, int H>
+JAXCSR_INLINE void tangent_rows_narrow(const int32_t* indptr, const typename In::Storage* p,
+                                       const typename In::Storage* g,
+                                       typename Out::Storage* y, int64_t lo, int64_t hi) {
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t j0 = indptr[r], j1 = indptr[r + 1];
+    float inner[H] = {};
+    for (int64_t j = j0; j < j1; ++j)
+      for (int c = 0; c < H; ++c) inner[c] += In::load(p[j * H + c]) * In::load(g[j * H + c]);
+    for (int64_t j = j0; j < j1; ++j)
+      for (int c = 0; c < H; ++c) {
+        const float pi = In::load(p[j * H + c]);
+        y[j * H + c] = Out::store(pi * In::load(g[j * H + c]) - pi * inner[c]);
+      }
+  }
+}
+
 // Rows [lo, hi) of a sorted pattern (row r's entries are indptr[r]..indptr[r+1]).
 // g == nullptr: the softmax of x; else the tangent from the output x = p.
 template <typename In, typename Out>
@@ -253,6 +388,24 @@ JAXCSR_INLINE void softmax_sorted_body(const int32_t* indptr, const typename In:
                                        const typename In::Storage* g,
                                        typename Out::Storage* y, int64_t h, int64_t lo,
                                        int64_t hi, float* scratch, int64_t entries) {
+  if (g) {  // one head's tangent keeps tangent_row's eight lanes; 3, 5-7 heads its loop
+    switch (h) {
+      case 2: return tangent_rows_narrow<In, Out, 2>(indptr, x, g, y, lo, hi);
+      case 4: return tangent_rows_narrow<In, Out, 4>(indptr, x, g, y, lo, hi);
+      case 8: return tangent_rows_narrow<In, Out, 8>(indptr, x, g, y, lo, hi);
+      default: break;
+    }
+  } else {
+    switch (h) {
+      case 1: return softmax_rows_narrow<In, Out, 1>(indptr, x, y, h, lo, hi, scratch, entries);
+      case 2: return softmax_rows_narrow<In, Out, 2>(indptr, x, y, h, lo, hi, scratch, entries);
+      case 4: return softmax_rows_narrow<In, Out, 4>(indptr, x, y, h, lo, hi, scratch, entries);
+      case 8: return softmax_rows_narrow<In, Out, 8>(indptr, x, y, h, lo, hi, scratch, entries);
+      case 3: case 5: case 6: case 7:
+        return softmax_rows_narrow<In, Out, 0>(indptr, x, y, h, lo, hi, scratch, entries);
+      default: break;
+    }
+  }
   for (int64_t r = lo; r < hi; ++r) {
     const int64_t j0 = indptr[r], len = indptr[r + 1] - j0;
     if (len == 0) continue;
@@ -335,7 +488,8 @@ struct SoftmaxPushRows {
   JAXCSR_INLINE static void run(const int32_t* ids, const S* x, const S* g, const float* peak,
                                 Y* y, float* acc, int64_t m, int64_t h, int64_t c0, int64_t c1,
                                 int64_t k0, int64_t k1) {
-    if (h == 1) return run_one_head(ids, x, g, peak, y, acc, m, k0, k1);
+    // fewer than 8 heads are never split (less than a line): c0 = 0, c1 = h
+    if (h < 8) return run_flat(ids, x, g, peak, y, acc, m, h, k0, k1);
     for (int64_t k = k0; k < k1; ++k) {
       if (k + kPushAhead < k1) prefetch_push_entry(ids, x, peak, acc, m, h, c0, c1, k + kPushAhead);
       const uint64_t r = static_cast<uint32_t>(ids[k]);
@@ -349,31 +503,34 @@ struct SoftmaxPushRows {
     }
   }
 
-  // One head: eight entries at a time (one exp for eight), added to their rows in
-  // input order.
-  JAXCSR_INLINE static void run_one_head(const int32_t* ids, const S* x, const S* g,
-                                         const float* peak, Y* y, float* acc, int64_t m,
-                                         int64_t k0, int64_t k1) {
-    for (int64_t k = k0; k < k1; k += 8) {
-      const int64_t w = std::min<int64_t>(8, k1 - k);
-      uint32_t rows[8];
+  // h < 8 heads (all of them): eight values at a time in storage order (8 / h entries
+  // per vector; one exp for eight values), added to their rows' heads in input order.
+  JAXCSR_INLINE static void run_flat(const int32_t* ids, const S* x, const S* g,
+                                     const float* peak, Y* y, float* acc, int64_t m, int64_t h,
+                                     int64_t k0, int64_t k1) {
+    const int64_t i1 = k1 * h;
+    int64_t k = k0, c = 0;  // the entry and head of value i
+    for (int64_t i = k0 * h; i < i1; i += 8) {
+      const int64_t w = std::min<int64_t>(8, i1 - i);
+      int64_t at[8];  // the lane's place in acc, -1 for an entry of no row
       f32x8 top = splat(0.0f);
       for (int64_t l = 0; l < w; ++l) {
-        rows[l] = static_cast<uint32_t>(ids[k + l]);
-        if (What == Pushed::kExp && peak)
-          top[l] = rows[l] < static_cast<uint64_t>(m) ? peak[rows[l]] : 0.0f;
+        const uint64_t r = static_cast<uint32_t>(ids[k]);
+        at[l] = r < static_cast<uint64_t>(m) ? static_cast<int64_t>(r) * h + c : -1;
+        if (What == Pushed::kExp && peak) top[l] = at[l] >= 0 ? peak[at[l]] : 0.0f;
+        if (++c == h) c = 0, ++k;
       }
       f32x8 v;
       if constexpr (What == Pushed::kPeak) {
-        v = load8<In>(x + k, w, 0.0f);
+        v = load8<In>(x + i, w, 0.0f);
       } else if constexpr (What == Pushed::kProduct) {
-        v = load8<In>(x + k, w, 0.0f) * load8<In>(g + k, w, 0.0f);
+        v = load8<In>(x + i, w, 0.0f) * load8<In>(g + i, w, 0.0f);
       } else {
-        v = exp8(load8<In>(x + k, w, 0.0f) - top);
-        if constexpr (kKeep) store8<F32>(y + k, v, w);
+        v = exp8(load8<In>(x + i, w, 0.0f) - top);
+        if constexpr (kKeep) store8<F32>(y + i, v, w);
       }
       for (int64_t l = 0; l < w; ++l)
-        if (rows[l] < static_cast<uint64_t>(m)) acc[rows[l]] = Op::combine(acc[rows[l]], v[l]);
+        if (at[l] >= 0) acc[at[l]] = Op::combine(acc[at[l]], v[l]);
     }
   }
 };
@@ -500,27 +657,8 @@ struct SoftmaxScaleEntries {
   JAXCSR_INLINE static void run(const int32_t* ids, const S* x, const S* g, const float* peak,
                                 const float* scale, Y* y, int64_t m, int64_t h, int64_t k0,
                                 int64_t k1) {
+    if (h < 8) return run_flat(ids, x, g, peak, scale, y, m, h, k0, k1);
     const bool forward = g == nullptr;
-    if (h == 1) {  // eight entries at a time
-      const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
-      for (int64_t k = k0; k < k1; k += 8) {
-        const int64_t w = std::min<int64_t>(8, k1 - k);
-        f32x8 top = splat(0.0f), by = splat(0.0f);
-        i32x8 in_row = lane < static_cast<int32_t>(w);
-        for (int64_t l = 0; l < w; ++l) {
-          const uint64_t r = static_cast<uint32_t>(ids[k + l]);
-          if (r >= static_cast<uint64_t>(m)) {
-            in_row[l] = 0;  // no row: 0 forward, p * g - p * 0 in the tangent
-            continue;
-          }
-          if (!kKept && forward && peak) top[l] = peak[r];
-          by[l] = scale[r];
-        }
-        const f32x8 v = entry(x, g, y, top, by, k, w);
-        store8<Out>(y + k, forward ? (in_row ? v : splat(0.0f)) : v, w);
-      }
-      return;
-    }
     for (int64_t k = k0; k < k1; ++k) {
       const uint64_t r = static_cast<uint32_t>(ids[k]);
       const bool in_row = r < static_cast<uint64_t>(m);
@@ -534,6 +672,33 @@ struct SoftmaxScaleEntries {
         const f32x8 by = in_row ? load8f(scale + r * h + c, w) : splat(0.0f);
         store8<Out>(y + k * h + c, entry(x, g, y, top, by, k * h + c, w), w);
       }
+    }
+  }
+
+  // h < 8 heads: eight values at a time in storage order (8 / h entries per vector).
+  JAXCSR_INLINE static void run_flat(const int32_t* ids, const S* x, const S* g,
+                                     const float* peak, const float* scale, Y* y, int64_t m,
+                                     int64_t h, int64_t k0, int64_t k1) {
+    const bool forward = g == nullptr;
+    const i32x8 lane = {0, 1, 2, 3, 4, 5, 6, 7};
+    const int64_t i1 = k1 * h;
+    int64_t k = k0, c = 0;  // the entry and head of value i
+    for (int64_t i = k0 * h; i < i1; i += 8) {
+      const int64_t w = std::min<int64_t>(8, i1 - i);
+      f32x8 top = splat(0.0f), by = splat(0.0f);
+      i32x8 in_row = lane < static_cast<int32_t>(w);
+      for (int64_t l = 0; l < w; ++l, c = c + 1 == h ? 0 : c + 1, k += c == 0) {
+        const uint64_t r = static_cast<uint32_t>(ids[k]);
+        if (r >= static_cast<uint64_t>(m)) {
+          in_row[l] = 0;  // no row: 0 forward, p * g - p * 0 in the tangent
+          continue;
+        }
+        const int64_t at = static_cast<int64_t>(r) * h + c;
+        if (!kKept && forward && peak) top[l] = peak[at];
+        by[l] = scale[at];
+      }
+      const f32x8 v = entry(x, g, y, top, by, i, w);
+      store8<Out>(y + i, forward ? (in_row ? v : splat(0.0f)) : v, w);
     }
   }
 };
@@ -653,7 +818,7 @@ struct SoftmaxKernel {
     const int64_t chunks = chunk_count(indptr[m] * h + m, threads, 8);
     const std::vector<int64_t> starts = row_chunks(indptr, m, chunks);
     parallel_chunks(pool, chunks, threads, [&](int64_t c) {
-      std::vector<float> scratch(std::max<int64_t>(h, kRowBuffer + 8));
+      std::vector<float> scratch(std::max<int64_t>(h, kRowBuffer + 16));
       constexpr bool wide = !std::is_same<In, F16>::value && !std::is_same<Out, F16>::value;
       if constexpr (wide) {
         if (!g && h % 16 == 0 && has_avx512()) {
