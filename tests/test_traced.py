@@ -625,6 +625,11 @@ def test_traced_scatter_rule_and_its_sums():
     assert cpu.traced_scatters("max", 2**17, 63)  # a small value: any width below 128
     assert not cpu.traced_scatters("max", 2**17, 128)
     assert not cpu.traced_scatters("min", 2**17, 64, gradient=True)
+    assert cpu.traced_scatters("max", 2**17, 15, gradient=True)  # no small-value bound
+    assert not cpu.traced_scatters("max", 2**17, 16, gradient=True)
+    assert cpu.traced_scatters("min", 2**17, 7, jnp.bfloat16, gradient=True)
+    assert not cpu.traced_scatters("min", 2**15, 8, jnp.bfloat16, gradient=True)
+    assert cpu.traced_scatters("sum", 2**18, 32, gradient=True)  # a sum has one bound
     assert not cpu.traced_scatters("max", 2**18, 32)
     assert cpu.traced_scatters("max", 2**18, 31)
     assert cpu.traced_scatters("min", 2**16, 7, jnp.bfloat16)

@@ -101,11 +101,16 @@ __all__ = [
     "traced_scatters",
 ]
 
-TRACED_SCATTER_MAX_WIDTH = {"sum": 64, "max": 32, "min": 32, "max'": 16, "min'": 16}
-"""Per reduce (``"max'"``: a max's gradient): traced reductions narrower than this
-scatter on CPU (values of 4 bytes or more; :func:`traced_scatters`)."""
-TRACED_SCATTER_MAX_WIDTH_16BIT = {"sum": 16, "max": 8, "min": 8, "max'": 8, "min'": 8}
-"""Per reduce: the same bound for 16-bit floats."""
+TRACED_SCATTER_MAX_WIDTH = {
+    ("sum", False): (64, 16),
+    ("max", False): (32, 8),
+    ("min", False): (32, 8),
+    ("max", True): (16, 8),
+    ("min", True): (16, 8),
+}
+"""Per ``(reduce, gradient)`` (``gradient``: a max/min's gradient), the widths below
+which traced reductions scatter on CPU, for values of 4 bytes or more and for 16-bit
+floats (:func:`traced_scatters`)."""
 TRACED_SCATTER_MAX_ELEMENTS = 2**24
 TRACED_SCATTER_SMALL_VALUE = (2**23, 2**19)
 """A max/min value of fewer elements than this (4-byte, 16-bit values) and under 128
@@ -117,10 +122,10 @@ def traced_scatters(
 ) -> bool:
     """Whether a segment ``reduce`` (``"sum"``, ``"max"``, ``"min"``) of traced ids runs
     XLA's scatter on CPU (``impl=None``) instead of a device plan and the native kernel:
-    below :data:`TRACED_SCATTER_MAX_WIDTH` features (:data:`TRACED_SCATTER_MAX_WIDTH_16BIT`
-    for 16-bit floats, which the kernels read at half the bytes; XLA adds them in
-    float32) when the values hold fewer than :data:`TRACED_SCATTER_MAX_ELEMENTS`
-    elements; a max/min's value also below :data:`TRACED_SCATTER_SMALL_VALUE`.
+    below :data:`TRACED_SCATTER_MAX_WIDTH` features (a narrower bound for 16-bit floats,
+    which the kernels read at half the bytes; XLA adds them in float32) when the values
+    hold fewer than :data:`TRACED_SCATTER_MAX_ELEMENTS` elements; a max/min's value also
+    below :data:`TRACED_SCATTER_SMALL_VALUE`.
     ``gradient``: whether a max/min's gradient scatters too (a narrower bound: other
     gradients are the planned product's, whose backward is a masked gather). The
     kernel's per-call cost (the sum's pieces with private partial outputs; the max's
@@ -129,10 +134,10 @@ def traced_scatters(
     ``benchmarks/results/cpu-xeon-avx512/traced_extremes/``)."""
     dtype = np.dtype(dtype)
     sixteen_bit = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
-    key = f"{reduce}'" if gradient and reduce != "sum" else reduce
-    limit = (TRACED_SCATTER_MAX_WIDTH_16BIT if sixteen_bit else TRACED_SCATTER_MAX_WIDTH)[key]
+    gradient = gradient and reduce != "sum"
+    limit = TRACED_SCATTER_MAX_WIDTH[reduce, gradient][sixteen_bit]
     elements = num_ids * width
-    if key in ("max", "min") and width < 128:
+    if reduce != "sum" and not gradient and width < 128:
         if elements < TRACED_SCATTER_SMALL_VALUE[sixteen_bit]:
             return True
     return width < limit and elements < TRACED_SCATTER_MAX_ELEMENTS
