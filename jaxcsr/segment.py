@@ -38,7 +38,7 @@ from jaxcsr import device_plan, kernels, plan
 from jaxcsr.dtypes import accumulation_dtype
 from jaxcsr.matrix import CSRMatrix, SparseOperand, matmul
 from jaxcsr.softmax import shifted_exp, softmax_over_rows
-from jaxcsr.take_attaining import take_attaining
+from jaxcsr.take_attaining import first_attaining, take_attaining
 from jaxcsr.validation import (
     as_host_int_array,
     as_numeric,
@@ -418,15 +418,7 @@ def _first_attaining(x, ids, out, sorted_ids: bool) -> jax.Array:
     ``return_arg``, and where the gradient of max/min goes."""
     n, m = x.shape[0], out.shape[0]
     target = out[jnp.clip(ids, 0, max(m - 1, 0))]
-    hit = x == target
-    if jnp.issubdtype(x.dtype, jnp.inexact):
-        hit = hit | (jnp.isnan(x) & jnp.isnan(target))
-    positions = jnp.where(hit, jnp.arange(n, dtype=jnp.int32)[:, None], n)
-    return (
-        jnp.full(out.shape, n, jnp.int32)
-        .at[ids]
-        .min(positions, mode="drop", indices_are_sorted=sorted_ids, wrap_negative_indices=False)
-    )
+    return first_attaining(x, target, ids, m, sorted_ids=sorted_ids, empty=n)
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))

@@ -7,6 +7,8 @@ binds the first in the JVP of ``csr_matmul``'s max and min over one-per-column v
 where a backend has its own arg search. The two are each other's transpose and both are
 linear in their first operand, so every order of differentiation stays inside the pair
 (a backend's ``put`` may be a foreign call, which JAX cannot differentiate itself).
+Last, :func:`first_attaining`: the search for those columns in ``jnp`` (the XLA path's
+and the traced CPU scatter's), one tie rule for all.
 """
 
 from __future__ import annotations
@@ -20,7 +22,13 @@ from jax.interpreters import ad, batching, mlir
 
 from jaxcsr.primitive import ShapedArray, def_jitted_impl, fold_batch, map_over_batch
 
-__all__ = ["put_attaining", "put_attaining_p", "take_attaining", "take_attaining_p"]
+__all__ = [
+    "first_attaining",
+    "put_attaining",
+    "put_attaining_p",
+    "take_attaining",
+    "take_attaining_p",
+]
 
 take_attaining_p = Primitive("take_attaining")
 """``(m, F)``: ``x[columns[r, f], f]`` where ``columns[r, f] < n``, else 0, for the
@@ -117,3 +125,22 @@ _linear_rules(take_attaining_p, put_attaining)
 _linear_rules(put_attaining_p, take_attaining)
 mlir.register_lowering(take_attaining_p, mlir.lower_fun(_take_attaining, multiple_results=False))
 mlir.register_lowering(put_attaining_p, mlir.lower_fun(_put_attaining, multiple_results=False))
+
+
+def first_attaining(
+    values: jax.Array, target: jax.Array, rows: jax.Array, m: int, *, sorted_ids: bool, empty: int
+) -> jax.Array:
+    """``(m, F)`` int32: per row and feature, the first position ``k`` of ``values``
+    (``(K, F)``) whose value equals ``target[k]`` (NaN matches NaN), ``empty`` where no
+    position of the row does; positions whose row is outside ``[0, m)`` (negative ones
+    included) belong to none. The arg of a max/min and where its gradient goes: ties
+    go to the first position, on every backend."""
+    hit = values == target
+    if jnp.issubdtype(values.dtype, jnp.inexact):
+        hit = hit | (jnp.isnan(values) & jnp.isnan(target))
+    positions = jnp.where(hit, jnp.arange(values.shape[0], dtype=jnp.int32)[:, None], empty)
+    return (
+        jnp.full((m, values.shape[1]), empty, jnp.int32)
+        .at[rows]
+        .min(positions, mode="drop", indices_are_sorted=sorted_ids, wrap_negative_indices=False)
+    )

@@ -53,6 +53,7 @@ import numpy as np
 from jaxcsr.dtypes import accumulation_dtype, product_dtype
 from jaxcsr.kernels.semiring import column_values, entry_values, weighted, zero_empty_rows
 from jaxcsr.structure import Structure
+from jaxcsr.take_attaining import first_attaining
 
 try:  # registers jaxlib's sparse FFI targets (cpu_csr_sparse_dense_ffi)
     import jax.experimental.sparse._lowerings
@@ -75,6 +76,8 @@ _CSR_KERNEL_DTYPES = tuple(
 _scatter_sum = jax.ops.segment_sum
 _scatter_max = jax.ops.segment_max
 _scatter_min = jax.ops.segment_min
+_NO_HIT = int(jnp.iinfo(jnp.int32).max)
+"""A row without a position attaining its value (an empty row) in the arg searches."""
 
 
 # ------------------------------------------------------------ backend contract
@@ -329,7 +332,8 @@ def extreme_positions(
     m = out.shape[0]
     values = entry_values(x, data, structure)
     rows = structure.row_ids()
-    hit = _first_hit(values, out.astype(values.dtype)[rows], rows, m, True)
+    target = out.astype(values.dtype)[rows]
+    hit = first_attaining(values, target, rows, m, sorted_ids=True, empty=_NO_HIT)
     return jnp.minimum(hit, structure.nnz)
 
 
@@ -360,7 +364,7 @@ def _first_column_hit(x, data, structure: Structure, out: jax.Array) -> jax.Arra
     values = column_values(x, data, structure)
     rows = structure.column_rows()  # m for an empty column: dropped by the segment_min
     target = out.astype(values.dtype)[jnp.minimum(rows, m - 1)]
-    return _first_hit(values, target, rows, m, structure.sorted_ids)
+    return first_attaining(values, target, rows, m, sorted_ids=structure.sorted_ids, empty=_NO_HIT)
 
 
 def extreme_column_mask(
@@ -392,16 +396,3 @@ def _attains(columns: jax.Array, rows: jax.Array) -> tuple[jax.Array, jax.Array]
     row = jnp.clip(rows, 0, m - 1)
     mine = jnp.arange(n, dtype=columns.dtype)[:, None]
     return ((rows >= 0) & (rows < m))[:, None] & (columns[row] == mine), row
-
-
-def _first_hit(values, target, rows, m, indices_are_sorted) -> jax.Array:
-    """Smallest index ``k`` per (row, feature) with ``values[k] == target[k]``.
-
-    Rows with no hit hold the int32 maximum; NaN matches NaN.
-    """
-    hit = values == target
-    if jnp.issubdtype(values.dtype, jnp.inexact):
-        hit = hit | (jnp.isnan(values) & jnp.isnan(target))
-    index = jnp.arange(values.shape[0], dtype=jnp.int32)[:, None]
-    candidates = jnp.where(hit, index, jnp.iinfo(jnp.int32).max)
-    return _scatter_min(candidates, rows, m, indices_are_sorted=indices_are_sorted)
