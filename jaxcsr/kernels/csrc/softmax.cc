@@ -280,10 +280,11 @@ JAXCSR_INLINE f32x8 fold_period(f32x8 v) {
 }
 
 // Rows [lo, hi) of a sorted pattern with h <= 8 heads (Fixed: 1, 2, 4 or 8 at compile
-// time; 0: 3, 5, 6 or 7, read at run time), in batches of whole rows whose values fit in ``buffer`` (kRowBuffer floats, 16 more to
-// spare), three passes each: every row's peak per head and x - peak into the buffer;
-// exp over the whole batch in full vectors (rows of a few entries of a few heads fill
-// part of a vector); every row's sums and its scaled outputs. A row's values are
+// time; 0: 3, 5, 6 or 7, read at run time), in batches of whole rows whose values fit
+// in ``buffer`` (kRowBuffer floats, 16 more to spare), three passes each: every row's
+// peak per head and x - peak into the buffer; exp over the whole batch in full vectors
+// (rows of a few entries of a few heads fill part of a vector); every row's sums and
+// its scaled outputs. A row's values are
 // contiguous, so for h dividing 8 a vector from the row's start holds head l % h in
 // lane l: each head is summed in 8 / h interleaved lanes, combined by fold_period (one
 // head: eight lanes and fold_lanes' tree, as softmax_row); other counts sum each head
