@@ -218,12 +218,13 @@ struct SoftmaxSorted16 {
   }
 };
 
-template <typename In, typename Out>
+template <typename In, typename Out, int Fixed = 0>
 JAXCSR_INLINE void tangent_row(const typename In::Storage* __restrict p,
                                const typename In::Storage* __restrict g,
                                typename Out::Storage* __restrict y, int64_t len, int64_t h,
                                float* __restrict inner) {
-  if (h == 1) {
+  if constexpr (Fixed > 0) h = Fixed;  // a head count known at compile time: loops unroll
+  if (Fixed == 0 && h == 1) {
     float lane[8] = {};
     int64_t i = 0;
     for (; i + 8 <= len; i += 8)
@@ -284,11 +285,11 @@ JAXCSR_INLINE f32x8 fold_period(f32x8 v) {
 // in ``buffer`` (kRowBuffer floats, 16 more to spare), three passes each: every row's
 // peak per head and x - peak into the buffer; exp over the whole batch in full vectors
 // (rows of a few entries of a few heads fill part of a vector); every row's sums and
-// its scaled outputs. A row's values are
-// contiguous, so for h dividing 8 a vector from the row's start holds head l % h in
-// lane l: each head is summed in 8 / h interleaved lanes, combined by fold_period (one
-// head: eight lanes and fold_lanes' tree, as softmax_row); other counts sum each head
-// in entry order (as softmax_heads). A row too long for the buffer takes softmax_row.
+// its scaled outputs. A row's values are contiguous, so for h dividing 8 a vector from
+// the row's start holds head l % h in lane l: each head is summed in 8 / h interleaved
+// lanes, combined by fold_period (one head: eight lanes and fold_lanes' tree, as
+// softmax_row); other counts sum each head in entry order (as softmax_heads). A row
+// too long for the buffer takes softmax_row.
 template <typename In, typename Out, int Fixed>
 JAXCSR_INLINE void softmax_rows_narrow(const int32_t* indptr, const typename In::Storage* x,
                                        typename Out::Storage* y, int64_t h, int64_t lo,
@@ -363,22 +364,16 @@ JAXCSR_INLINE void softmax_rows_narrow(const int32_t* indptr, const typename In:
   }
 }
 
-// tangent_row of H = 2, 4 or 8 heads (a compile-time count: the same operations and
-// order).
-template <typename In, typename Out, int H>
-JAXCSR_INLINE void tangent_rows_narrow(const int32_t* indptr, const typename In::Storage* p,
-                                       const typename In::Storage* g,
-                                       typename Out::Storage* y, int64_t lo, int64_t hi) {
+// Rows [lo, hi) of a sorted pattern, the tangent from the output p (tangent_row; Fixed:
+// the head count at compile time, 0 for h at run time).
+template <typename In, typename Out, int Fixed>
+JAXCSR_INLINE void tangent_rows(const int32_t* indptr, const typename In::Storage* p,
+                                const typename In::Storage* g, typename Out::Storage* y,
+                                int64_t h, int64_t lo, int64_t hi, float* scratch) {
   for (int64_t r = lo; r < hi; ++r) {
-    const int64_t j0 = indptr[r], j1 = indptr[r + 1];
-    float inner[H] = {};
-    for (int64_t j = j0; j < j1; ++j)
-      for (int c = 0; c < H; ++c) inner[c] += In::load(p[j * H + c]) * In::load(g[j * H + c]);
-    for (int64_t j = j0; j < j1; ++j)
-      for (int c = 0; c < H; ++c) {
-        const float pi = In::load(p[j * H + c]);
-        y[j * H + c] = Out::store(pi * In::load(g[j * H + c]) - pi * inner[c]);
-      }
+    const int64_t j0 = indptr[r], len = indptr[r + 1] - j0;
+    if (len > 0)
+      tangent_row<In, Out, Fixed>(p + j0 * h, g + j0 * h, y + j0 * h, len, h, scratch);
   }
 }
 
@@ -389,12 +384,12 @@ JAXCSR_INLINE void softmax_sorted_body(const int32_t* indptr, const typename In:
                                        const typename In::Storage* g,
                                        typename Out::Storage* y, int64_t h, int64_t lo,
                                        int64_t hi, float* scratch, int64_t entries) {
-  if (g) {  // one head's tangent keeps tangent_row's eight lanes; 3, 5-7 heads its loop
+  if (g) {  // 2, 4 and 8 heads with a compile-time count (the same operations)
     switch (h) {
-      case 2: return tangent_rows_narrow<In, Out, 2>(indptr, x, g, y, lo, hi);
-      case 4: return tangent_rows_narrow<In, Out, 4>(indptr, x, g, y, lo, hi);
-      case 8: return tangent_rows_narrow<In, Out, 8>(indptr, x, g, y, lo, hi);
-      default: break;
+      case 2: return tangent_rows<In, Out, 2>(indptr, x, g, y, h, lo, hi, scratch);
+      case 4: return tangent_rows<In, Out, 4>(indptr, x, g, y, h, lo, hi, scratch);
+      case 8: return tangent_rows<In, Out, 8>(indptr, x, g, y, h, lo, hi, scratch);
+      default: return tangent_rows<In, Out, 0>(indptr, x, g, y, h, lo, hi, scratch);
     }
   } else {
     switch (h) {
@@ -409,12 +404,7 @@ JAXCSR_INLINE void softmax_sorted_body(const int32_t* indptr, const typename In:
   }
   for (int64_t r = lo; r < hi; ++r) {
     const int64_t j0 = indptr[r], len = indptr[r + 1] - j0;
-    if (len == 0) continue;
-    if (g) {
-      tangent_row<In, Out>(x + j0 * h, g + j0 * h, y + j0 * h, len, h, scratch);
-    } else {
-      softmax_row<In, Out>(x + j0 * h, y + j0 * h, len, h, scratch, entries - j0);
-    }
+    if (len > 0) softmax_row<In, Out>(x + j0 * h, y + j0 * h, len, h, scratch, entries - j0);
   }
 }
 
