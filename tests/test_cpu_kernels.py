@@ -358,6 +358,22 @@ def test_narrow_pull_and_one_feature_push_on_any_thread_count(rng, dtype):
     assert_close(every, reduce_reference(A, np.asarray(x, np.float64), "sum")[0], dtype)
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("weighted", [False, True])
+def test_narrow_push_in_pieces_matches_float64_on_any_thread_count(rng, dtype, weighted):
+    """Unsorted ids in 4 pieces at 2 to 7 features (the push's fixed-width loops), with
+    and without values: sum, max and min against float64, one thread against all."""
+    m, k = 3000, SERIAL_WORK // 2 + 7000
+    ids = power_law_ids(rng, k, m)
+    rng.shuffle(ids)
+    data = random_values(rng, k).astype(dtype) if weighted else None
+    A = CSRMatrix.from_indices(ids, m, data=data)
+    itemsize = np.dtype(dtype).itemsize
+    widths = (2, 3, 4, 5, 6, 7)
+    assert all(cpu.choose(A.structure, f, itemsize).pieces == 4 for f in widths)
+    _push_threads_agree(rng, A, dtype, widths)
+
+
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
 def test_sixteen_bit_push_with_few_ids_per_row_runs_two_pieces(rng, dtype):
     """16-bit values with 2 to 4 unsorted ids per row (too few for the float32 rule)
@@ -934,7 +950,7 @@ def test_instruction_sets_give_the_same_bits(tmp_path, rng):
     cpu_level = _cpu_isa_level()
     for cap, level in (("baseline", 0), ("avx2", 1), ("", 2)):
         assert int(results[cap].pop("isa")) == min(level, cpu_level), cap
-    assert len(results[""]) == 3 * (5 * (3 * 6 + 4) + 2 * 4 * 2)  # dtypes x widths x outputs
+    assert len(results[""]) == 3 * (6 * (3 * 6 + 4) + 2 * 4 * 2)  # dtypes x widths x outputs
     for cap in ("baseline", "avx2"):
         assert results[cap].keys() == results[""].keys()
         for key, value in results[""].items():

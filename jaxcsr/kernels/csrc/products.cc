@@ -281,6 +281,29 @@ JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage
   }
 }
 
+// The push body for rows of W = 2..7 features stored back to back (stride W): the
+// row's W values combined one by one, W known when compiled (a loop over a width
+// known only at run time cost rows this narrow about what 16 features cost). The
+// same operations per value as push_rows_body.
+template <typename In, typename Op, int W>
+JAXCSR_INLINE void push_rows_narrow(const int32_t* ids, const typename In::Storage* data,
+                                    const typename In::Storage* x, float* acc, int64_t m,
+                                    int64_t k0, int64_t k1) {
+  constexpr int64_t kAhead = 16;
+  for (int64_t k = k0; k < k1; ++k) {
+    if (k + kAhead < k1) {
+      const uint64_t ahead = static_cast<uint32_t>(ids[k + kAhead]);
+      __builtin_prefetch(acc + (ahead < static_cast<uint64_t>(m) ? ahead : 0) * W, 1);
+    }
+    const int64_t r = ids[k];
+    if (static_cast<uint64_t>(r) >= static_cast<uint64_t>(m)) continue;
+    const float w = data ? In::load(data[k]) : 1.0f;
+    float* a = acc + r * W;
+    const typename In::Storage* v = x + k * W;
+    for (int i = 0; i < W; ++i) a[i] = Op::combine(a[i], w * In::load(v[i]));
+  }
+}
+
 template <typename In, typename Out, typename Op>
 struct PullRows {
   template <typename... Args>
@@ -297,6 +320,17 @@ struct PushRows {
                                 const typename In::Storage* x, float* acc, int64_t m,
                                 int64_t stride, int64_t width, int64_t k0, int64_t k1) {
     if constexpr (Fill) fill_columns(acc, m, stride, width, Op::init);
+    if (stride == width) {
+      switch (width) {
+        case 2: return push_rows_narrow<In, Op, 2>(ids, data, x, acc, m, k0, k1);
+        case 3: return push_rows_narrow<In, Op, 3>(ids, data, x, acc, m, k0, k1);
+        case 4: return push_rows_narrow<In, Op, 4>(ids, data, x, acc, m, k0, k1);
+        case 5: return push_rows_narrow<In, Op, 5>(ids, data, x, acc, m, k0, k1);
+        case 6: return push_rows_narrow<In, Op, 6>(ids, data, x, acc, m, k0, k1);
+        case 7: return push_rows_narrow<In, Op, 7>(ids, data, x, acc, m, k0, k1);
+        default: break;
+      }
+    }
     if constexpr (!std::is_same<In, F16>::value && std::is_same<In, Out>::value) {
       switch (width) {
         case 8: return push_rows_body<In, Out, Op, 1>(ids, data, x, acc, m, stride, 8, k0, k1);
