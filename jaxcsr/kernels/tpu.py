@@ -810,21 +810,20 @@ def covers(view: Structure) -> bool:
 DEVICE_PLAN_MIN_IDS_PER_ROW = 28
 """Traced sorted ids run the kernel by default from this many ids per segment on.
 
-The schedule planned on the device inside each call costs about 170 ns per output
-row on a v5e (2.1 / 5.8 / 13.8 ms on 11,758 / 37,700 / 81,306 rows), and the kernel
-saves about 6 ns per id against XLA's scatter of sorted ids (tolokers, musae_github,
-twitter_ego, N = 16 and 128; ``benchmarks/results/tpu-v5e/tpu.md``): the kernel wins
-from about 28 ids per row. musae_github's 15 ran at 0.69x with the kernel."""
+The schedule planned on the device inside each call costs a fixed time per output
+row, and the kernel saves a smaller one per id against XLA's scatter of sorted ids:
+the kernel pays back from this many ids per row on a v5e (the per-row and per-id
+costs, measured on tolokers, musae_github and twitter_ego at N = 16 and 128:
+``benchmarks/results/tpu-v5e/README.md``)."""
 
 
 def default_for(view: Structure, dtype: Any = None, reduce: str | None = "sum") -> bool:
     """Backend entry (``Backend.default_for``): whether ``impl=None`` runs the kernel on
     a view it covers, whatever the dtype and reduction. Segment ids planned on the
     device (traced) run XLA's scatter when unsorted -- a sort and gather per call cost
-    more on a TPU than XLA's scatter on ids that arrive grouped by segment (tolokers:
-    11.9 ms against 9.7 ms at 128 float32 features; ``benchmarks/results/tpu-v5e/``)
-    -- and when sorted (``indices_are_sorted=True``) with fewer than
-    :data:`DEVICE_PLAN_MIN_IDS_PER_ROW` ids per segment."""
+    more on a TPU than XLA's scatter on ids that arrive grouped by segment
+    (``benchmarks/results/tpu-v5e/``) -- and when sorted (``indices_are_sorted=True``)
+    with fewer than :data:`DEVICE_PLAN_MIN_IDS_PER_ROW` ids per segment."""
     del dtype, reduce
     if not (view.layout.padded and view.one_per_column):
         return True
