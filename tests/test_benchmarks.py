@@ -186,18 +186,22 @@ def test_last_axis_study(tmp_path):
 
 
 @pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
-def test_one_piece_study(tmp_path):
-    """Cora's shuffled ids reduce in one piece at N = 8: pull and push timed, same bits."""
-    from benchmarks.studies import one_piece
+def test_pull_or_push_study(tmp_path):
+    """Cora's shuffled ids reduce in one piece at N = 8 (pull and push: the same bits),
+    uniform ids with 20 a row in 4 pieces at N = 3 (errors near float64)."""
+    from benchmarks.studies import pull_or_push
 
-    result = one_piece.main(
-        ["--graphs", "cora", "--synthetic", "", "--features", "8", "--dtypes", "float32",
-         "--repeats", "1", "--out", str(tmp_path)]
+    result = pull_or_push.main(
+        ["--graphs", "cora", "--synthetic", "40000/2000", "--features", "3,8",
+         "--dtypes", "float32", "--repeats", "1", "--pieces", "1,4", "--out", str(tmp_path)]
     )  # fmt: skip
-    assert [r["same_bits"] for r in result["rows"]] == [True]
-    assert (
-        "| cora shuffled | 2708 | 10556 | 8 | float32 |" in (tmp_path / "one_piece.md").read_text()
-    )
+    rows = {(r["structure"], r["n"]): r for r in result["rows"]}
+    assert rows[("cora shuffled", 8)]["pieces"] == 1 and rows[("cora shuffled", 8)]["same_bits"]
+    assert rows[("uniform 40000 ids", 3)]["pieces"] == 4
+    for r in rows.values():
+        assert 0 < max(r["max_abs_error"].values()) < 1e-4, r
+    text = (tmp_path / "pull_or_push.md").read_text()
+    assert "| cora shuffled | 2708 | 10556 | 8 | float32 | 1 |" in text
 
 
 def test_busy_core_study(tmp_path):

@@ -309,7 +309,7 @@ def test_one_piece_push_splits_features_over_threads(rng, dtype):
     A = CSRMatrix.from_indices(ids, m)
     assert cpu.choose(A.structure, 48).kernel == "pull" and k < 2 * m  # one piece
     pulled = _push_threads_agree(rng, A, dtype, (48, 64))
-    with cpu.one_piece("push"):
+    with cpu.unsorted_kernel("push"):
         assert cpu.choose(A.structure, 48).kernel == "push"
         pushed = _push_threads_agree(rng, A, dtype, (48, 64), inputs=pulled[1])
     for y, z in zip(pulled[0], pushed[0], strict=True):
@@ -376,18 +376,46 @@ def test_narrow_push_in_pieces_matches_float64_on_any_thread_count(rng, dtype, w
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, np.float16])
 def test_sixteen_bit_push_with_few_ids_per_row_runs_two_pieces(rng, dtype):
-    """16-bit values with 2 to 4 unsorted ids per row (too few for the float32 rule)
-    push in two pieces, rows of one line (F = 16, 32 bytes) and of two (F = 64)."""
-    m, k = 3000, 9000
+    """16-bit values with 6 unsorted ids per row (too few for the float32 rule) push in
+    two pieces in rows under 32 bytes (F = 8); from 32 bytes (F = 16, 64) the pull runs,
+    in input order."""
+    m, k = 3000, 18000
     ids = power_law_ids(rng, k, m)
     rng.shuffle(ids)
     A = CSRMatrix.from_indices(ids, m)
-    assert 2 * m <= k < 4 * m
-    for f in (16, 64):  # the pieces fix each row's order: pinned, with float32's one
+    for f in (8, 16, 64):  # the pieces fix each row's order: pinned, with float32's one
         assert cpu.push_pieces(m, k, f, 2) == 2 and cpu.push_pieces(m, k, f, 4) == 1
-        assert cpu.choose(A.structure, f, 2).pieces == 2
         assert cpu.choose(A.structure, f, 4).pieces == 1
-    _push_threads_agree(rng, A, dtype, (16, 64))
+    assert cpu.choose(A.structure, 8, 2) == cpu.Strategy(
+        "push", f"2 pieces of ids into private partials ({m} rows, {k} ids)", 2
+    )
+    for f in (16, 64):
+        assert cpu.choose(A.structure, f, 2).kernel == "pull"
+    _push_threads_agree(rng, A, dtype, (8, 16, 64))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_two_pieces_of_wide_rows_or_large_partials_run_the_pull(rng, dtype):
+    """Where the push would take two pieces, rows of x of 512 bytes or more and float32
+    partials over 40 MiB run the pull (input order, against float64 and jax.ops, one
+    thread against all); 64 features over few rows keep the push."""
+    m, k = 6000, 60000
+    ids = power_law_ids(rng, k, m)
+    rng.shuffle(ids)
+    A = CSRMatrix.from_indices(ids, m)
+    itemsize = np.dtype(dtype).itemsize
+    wide = 512 // itemsize
+    assert cpu.push_pieces(m, k, wide, itemsize) == 2
+    assert cpu.choose(A.structure, wide, itemsize).kernel == "pull"
+    assert cpu.choose(A.structure, 64, 4).kernel == "push"  # partials of 3 MiB
+    outputs, inputs = _push_threads_agree(rng, A, dtype, (wide,))
+    want = jax.ops.segment_sum(jnp.asarray(inputs[0], jnp.float32), ids, m)
+    assert_close(outputs[0], np.asarray(want, np.float64), dtype)
+    # partials past 40 MiB (sizes only: nothing runs)
+    big = CSRMatrix.from_indices(np.arange(900_000) % 90_000, 90_000)
+    assert cpu.push_pieces(90_000, 900_000, 64, 4) == 2
+    assert "44 MiB of partials" in cpu.choose(big.structure, 64, 4).reason
+    assert cpu.choose(big.structure, 32, 4).kernel == "push"  # 22 MiB
 
 
 @pytest.mark.parametrize("kind", KINDS)

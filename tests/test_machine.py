@@ -194,7 +194,7 @@ def test_one_piece_pull_and_push_give_the_same_bits(rng, dtype, f):
         A = CSRMatrix.from_indices(ids, m, data=data)
         results = {}
         for kernel in ("pull", "push"):
-            with cpu.one_piece(kernel):
+            with cpu.unsorted_kernel(kernel):
                 fn = jax.jit(
                     lambda A, x: [jaxcsr.matmul(A, x, reduce=r) for r in ("sum", "max", "min")]
                 )

@@ -1,13 +1,14 @@
-"""Pull or push for unsorted ids in one piece: ``python -m benchmarks.studies.one_piece``.
+"""Pull or push for unsorted ids: ``python -m benchmarks.studies.pull_or_push``.
 
-Where a push of unsorted segment ids would take one piece
-(:func:`jaxcsr.kernels.cpu.push_pieces`), each row is reduced over its ids in input
-order, which is also the order of a pull through the planned sort (except for one
-feature, where the pull sums in eight lanes): jaxcsr chooses the pull, and the push
-for one feature. This study times both on the same cells, in turns, and checks their
-bits: the embedded graphs with their ids shuffled and synthetic uniform ids, at the
-widths where one piece runs (cells of 2 or 4 pieces are skipped: only the push reduces
-in their order). Writes ``one_piece.json`` and ``one_piece.md`` to ``--out``.
+Unsorted segment ids planned on the host run the pull (through the planned sort) or
+the push (:func:`jaxcsr.kernels.cpu.choose`). Where the push takes one piece
+(:func:`jaxcsr.kernels.cpu.push_pieces`) both reduce each row in input order (except
+for one feature, where the pull sums in eight lanes); in 2 or 4 pieces the push
+reduces in piece order. This study times both on the same cells, in turns
+(``cpu.unsorted_kernel`` pins each), and checks their bits against each other and
+their error against float64: the embedded graphs with their ids shuffled and
+synthetic uniform ids. ``--pieces`` keeps the cells of some piece counts only.
+Writes ``pull_or_push.json`` and ``pull_or_push.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from jaxcsr.kernels import cpu
 
 def main(argv=None) -> dict:
     p = argparse.ArgumentParser(
-        prog="python -m benchmarks.studies.one_piece",
+        prog="python -m benchmarks.studies.pull_or_push",
         description=__doc__.split("\n")[0],
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -40,6 +41,7 @@ def main(argv=None) -> dict:
     )
     p.add_argument("--features", default="16,64,256", help="N, comma-separated")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--pieces", default="1,2,4", help="the push's piece counts to time")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds (median)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
     args = p.parse_args(argv)
@@ -54,12 +56,13 @@ def main(argv=None) -> dict:
         for dtype in args.dtypes.split(","):
             itemsize = np.dtype(jnp.dtype(dtype)).itemsize
             for n in (int(f) for f in args.features.split(",")):
-                if cpu.push_pieces(m, len(ids), n, itemsize) != 1:
+                pieces = cpu.push_pieces(m, len(ids), n, itemsize)
+                if str(pieces) not in args.pieces.split(","):
                     continue
                 x = jnp.asarray(rng.uniform(-1, 1, (len(ids), n)), dtype)
                 fns = {}
                 for kernel in ("pull", "push"):
-                    with cpu.one_piece(kernel):  # read when traced
+                    with cpu.unsorted_kernel(kernel):  # read when traced
                         fns[kernel] = jax.jit(lambda A, x: A @ x)
                         jax.block_until_ready(fns[kernel](A, x))
                 thunks = {k: functools.partial(f, A, x) for k, f in fns.items()}
@@ -76,50 +79,62 @@ def main(argv=None) -> dict:
                     "ids": len(ids),
                     "n": n,
                     "dtype": dtype,
+                    "pieces": pieces,
                     "output_mib": m * n * 4 / 2**20,
                     "ms": {k: t.median_s * 1e3 for k, t in timings.items()},
                     "same_bits": same,
+                    "max_abs_error": {k: _error(o, ids, x, m) for k, o in outs.items()},
                 }
                 rows.append(row)
                 print(
-                    f"{label} N={n} {dtype}: pull {row['ms']['pull']:.2f} ms, push "
-                    f"{row['ms']['push']:.2f} ms, same bits {same}",
+                    f"{label} N={n} {dtype} {pieces} piece(s): pull {row['ms']['pull']:.2f} "
+                    f"ms, push {row['ms']['push']:.2f} ms, same bits {same}",
                     flush=True,
                 )
     result = {
-        "command": report.command_line("benchmarks.studies.one_piece", argv),
+        "command": report.command_line("benchmarks.studies.pull_or_push", argv),
         "machine": machine.profile().summary(),
         "rows": rows,
     }
     lines = [
-        "# Unsorted ids in one piece: pull against push (ms, median, in turns)",
+        "# Unsorted ids: pull against push (ms, median, in turns)",
         "",
-        f"`{result['command']}` on {result['machine']}.",
+        f"`{result['command']}` on {result['machine']}. Pieces: the push's; max error:",
+        "the largest absolute difference from float64 (pull / push).",
         "",
-        "| structure | rows | ids | N | dtype | output MiB | pull | push | push / pull "
-        "| same bits |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| structure | rows | ids | N | dtype | pieces | output MiB | pull | push "
+        "| push / pull | same bits | max error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ms = r["ms"]
+        ms, err = r["ms"], r["max_abs_error"]
         lines.append(
             f"| {r['structure']} | {r['rows']} | {r['ids']} | {r['n']} | {r['dtype']} | "
-            f"{r['output_mib']:.1f} | {ms['pull']:.2f} | {ms['push']:.2f} | "
-            f"{ms['push'] / ms['pull']:.2f}x | {r['same_bits']} |"
+            f"{r['pieces']} | {r['output_mib']:.1f} | {ms['pull']:.2f} | {ms['push']:.2f} | "
+            f"{ms['push'] / ms['pull']:.2f}x | {r['same_bits']} | "
+            f"{err['pull']:.1e} / {err['push']:.1e} |"
         )
-    ratios = [r["ms"]["push"] / r["ms"]["pull"] for r in rows]
-    if ratios:
+    lines.append("")
+    for pieces in sorted({r["pieces"] for r in rows}):
+        these = [r for r in rows if r["pieces"] == pieces]
+        ratios = [r["ms"]["push"] / r["ms"]["pull"] for r in these]
         summary = report.ratio_summary(ratios)
-        lines += [
-            "",
-            f"push / pull: geometric mean {summary['geomean']:.2f}x, "
+        lines.append(
+            f"- {pieces} piece(s): push / pull geometric mean {summary['geomean']:.2f}x, "
             f"range {min(ratios):.2f}-{max(ratios):.2f}x over {summary['cells']} cells; "
-            f"{sum(r['same_bits'] for r in rows)} of {len(rows)} with the same bits.",
-        ]
+            f"{sum(r['same_bits'] for r in these)} of {len(these)} with the same bits."
+        )
     text = "\n".join(lines) + "\n"
-    report.write_study(args.out, "one_piece", result, text)
+    report.write_study(args.out, "pull_or_push", result, text)
     print(text)
     return result
+
+
+def _error(out, ids: np.ndarray, x, m: int) -> float:
+    """The largest absolute difference of ``out`` from the float64 segment sum."""
+    want = np.zeros((m, x.shape[1]))
+    np.add.at(want, ids, np.asarray(x, np.float64))
+    return float(np.abs(np.asarray(out, np.float64) - want).max(initial=0.0))
 
 
 if __name__ == "__main__":

@@ -91,13 +91,13 @@ __all__ = [
     "library_path",
     "plan",
     "product",
-    "one_piece",
     "push_pieces",
     "put_attaining",
     "reads_transposed_data",
     "sddmm",
     "softmax",
     "threads",
+    "unsorted_kernel",
     "traced_scatters",
 ]
 
@@ -158,9 +158,9 @@ _MAX_THREADS = 0
 # allows; tests force each to compare their bits (_gather_stores)
 _GATHER_STORES = 0
 _REDUCE = {"sum": 0, "max": 1, "min": 2}
-# what unsorted ids in one piece run: None as choose() decides, or the kernel tests and
-# the one_piece study force to compare the two
-_ONE_PIECE: str | None = None
+# what unsorted ids planned on the host run: None as choose() decides, or the kernel
+# the tests and the pull_or_push study pin to compare the two
+_UNSORTED_KERNEL: str | None = None
 
 
 def library_path() -> Path | None:
@@ -216,19 +216,21 @@ def threads(n: int) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def one_piece(kernel: str) -> Iterator[None]:
-    """Unsorted ids that reduce in one piece run ``kernel`` in products traced inside the
+def unsorted_kernel(kernel: str) -> Iterator[None]:
+    """Unsorted ids planned on the host run ``kernel`` in products traced inside the
     block: ``"pull"`` or ``"push"``, whatever :func:`choose` would pick (tests and
-    ``benchmarks.studies.one_piece`` compare the two). The same bits either way, except
-    for one feature: the pull then sums each row in eight interleaved lanes."""
-    global _ONE_PIECE
+    ``benchmarks.studies.pull_or_push`` compare the two). Where the push takes one
+    piece both reduce each row in input order: the same bits, except for one feature
+    (the pull then sums each row in eight interleaved lanes). In 2 or 4 pieces the
+    push reduces in piece order and the pull in input order: the bits may differ."""
+    global _UNSORTED_KERNEL
     if kernel not in ("pull", "push"):
         raise ValueError(f"kernel must be 'pull' or 'push', got {kernel!r}")
-    saved, _ONE_PIECE = _ONE_PIECE, kernel
+    saved, _UNSORTED_KERNEL = _UNSORTED_KERNEL, kernel
     try:
         yield
     finally:
-        _ONE_PIECE = saved
+        _UNSORTED_KERNEL = saved
 
 
 @contextlib.contextmanager
@@ -290,18 +292,23 @@ def choose(
     """The native kernel for a product of ``view`` with ``n_features`` features of
     ``itemsize`` bytes, and why.
 
-    Unsorted segment ids (a one-per-column view planned on the host) reduce every row
-    in an order the sizes fix: the push's pieces (:func:`push_pieces`). With one piece
-    that is each row's ids in input order -- also the order of a pull through the
-    planned sort -- and the pull runs: it reads ``x`` through the sort once and writes
-    each output row once, where the one-piece push splits rows' features over the
-    threads and updates output rows at random (the pull measured 1.04-2.62x faster in
-    all 23 one-piece cells of 16-256 features on 2 Intel Xeon cores, 1.2-391 MiB
-    outputs, and 1.45-3.02x at 2-7 features). One feature is the exception: the push,
-    one sequential loop, measured 1.3-2.2x faster than the pull's gathers in float32
-    (``benchmarks/results/cpu-xeon-avx512/one_piece/one_piece.md``). With 2 or 4 pieces
-    only the push reduces in that order. Ids planned on the device push: they have no sort to
-    pull through.
+    Unsorted segment ids (a one-per-column view planned on the host) run the push in
+    the pieces the sizes fix (:func:`push_pieces`), each row reduced in input order
+    within each piece and the pieces in order, or the pull through the planned sort,
+    each row in input order; which one follows from the sizes and dtype alone, so
+    every machine computes the same bits. The measurements behind each rule (2 Intel
+    Xeon cores): ``benchmarks/results/cpu-xeon-avx512/pull_or_push/``.
+
+    - One piece: the pull. It reads ``x`` through the sort once and writes each output
+      row once, where the one-piece push splits rows' features over the threads and
+      updates output rows at random. One feature is the exception: the push, one
+      sequential loop, where the pull gathers ``x`` at random.
+    - Two pieces: the pull where the push's two float32 partials would stay out of the
+      caches or cost what the pull does not (:func:`_pull_over_two_pieces`), else the
+      push.
+    - Four pieces: the push.
+
+    Ids planned on the device push: they have no sort to pull through.
     """
     if view.one_per_row:
         return Strategy("gather", "one entry per row: rows copied (times their value)")
@@ -315,15 +322,44 @@ def choose(
         return Strategy("push", "the push, or the pull where it takes one piece (by width)")
     m, n = view.shape
     pieces = push_pieces(m, n, n_features, itemsize)
+    if _UNSORTED_KERNEL == "pull":
+        return Strategy("pull", f"pinned ({m} rows, {n} ids): the pull through the sort", 1)
+    reason = _pull_over_two_pieces(m, n, n_features, itemsize) if pieces == 2 else None
+    if reason is not None and _UNSORTED_KERNEL is None:
+        return Strategy("pull", f"{reason} ({m} rows, {n} ids): the pull through the sort", 1)
     if pieces > 1:
         return Strategy(
             "push", f"{pieces} pieces of ids into private partials ({m} rows, {n} ids)", pieces
         )
-    if _ONE_PIECE == "push" or (_ONE_PIECE is None and n_features == 1):
+    if _UNSORTED_KERNEL == "push" or (_UNSORTED_KERNEL is None and n_features == 1):
         return Strategy("push", f"one piece ({m} rows, {n} ids), one feature: the push", 1)
     return Strategy(
         "pull", f"one piece ({m} rows, {n} ids): the pull through the sort, same order", 1
     )
+
+
+# Where static unsorted ids in two pieces run the pull instead of the push: in the
+# cells these bounds select the pull was faster in all but one, in most others the
+# push (benchmarks/results/cpu-xeon-avx512/pull_or_push/pull_or_push.md).
+_WIDE_ROW_BYTES = 512  # rows of x this long: the pull's gathers read whole lines
+_LARGE_PARTIALS_BYTES = 40 << 20  # both float32 partials past this: out of the caches
+_SIXTEEN_BIT_ROW_BYTES = 32  # 16-bit rows from this long with under 8 ids a row
+
+
+def _pull_over_two_pieces(m: int, n: int, n_features: int, itemsize: int) -> str | None:
+    """Why static unsorted ids whose push takes two pieces run the pull instead, or
+    ``None`` to push: rows of ``x`` of 512 bytes or more; two float32 partials over
+    40 MiB; or 16-bit values in rows of 32 bytes or more with under 8 ids a row (the
+    two pieces the push takes for 16-bit values there exist to beat a one-piece push
+    that converts every value on one thread; the pull splits rows over the threads)."""
+    row_bytes = n_features * itemsize
+    if row_bytes >= _WIDE_ROW_BYTES:
+        return f"rows of x of {row_bytes} bytes, where the push takes 2 pieces"
+    if 2 * 4 * m * n_features > _LARGE_PARTIALS_BYTES:
+        return f"2 pieces would fill {2 * 4 * m * n_features / 2**20:.0f} MiB of partials"
+    if itemsize == 2 and row_bytes >= _SIXTEEN_BIT_ROW_BYTES and n < 8 * m:
+        return "16-bit rows of 32 bytes or more, under 8 ids a row"
+    return None
 
 
 def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
