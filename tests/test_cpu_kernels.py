@@ -81,9 +81,9 @@ KINDS += ["empty_rows", "duplicates"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_matches_float64(rng, kind):
-    """Sum, max and min of both views, three dtypes, one feature, the whole-vector
-    widths (16, 64: 8 * V features; 72, 88, 136: pull blocks of 64 plus a tail of 8,
-    24 and 8) and others below and past 32, against float64
+    """Sum, max and min of both views, three dtypes, one feature, the fixed-width loops
+    (5, 12), the whole-vector widths (16, 64: 8 * V features; 72, 88, 136: pull blocks
+    of 64 plus a tail of 8, 24 and 8) and others past 32, against float64
     (max/min: reduce_reference, ties and NaN included)."""
     A, _ = _matrix(rng, kind)
     assert "native" in str(A.plan_info())
@@ -91,7 +91,7 @@ def test_every_kernel_matches_float64(rng, kind):
     fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
     for B in (A, A.T):
         for dtype in DTYPES:
-            for f in (1, 5, 16, 44, 64, 72, 88, 136):
+            for f in (1, 5, 12, 16, 44, 64, 72, 88, 136):
                 x = random_values(rng, (B.shape[1], f)).astype(dtype)
                 if B.dtype is not None:  # the reference reads the values as rounded
                     B = B.with_data(B.data.astype(dtype))
@@ -341,15 +341,15 @@ def _push_threads_agree(rng, A, dtype, widths, inputs=None):
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_narrow_pull_and_one_feature_push_on_any_thread_count(rng, dtype):
-    """Unsorted ids in one piece at 1 (the push), 3 and 6 features (the pull's
+    """Unsorted ids in one piece at 1 (the push), 3, 6 and 11 features (the pull's
     fixed-width loops), enough work for every thread: sum, max and min against float64,
     and the same bits on one thread as on all."""
     m, k = 30000, 45000
     ids = power_law_ids(rng, k, m)
     rng.shuffle(ids)
     A = CSRMatrix.from_indices(ids, m)
-    assert [cpu.choose(A.structure, f).kernel for f in (1, 3, 6)] == ["push", "pull", "pull"]
-    _push_threads_agree(rng, A, dtype, (3, 6))
+    assert [cpu.choose(A.structure, f).kernel for f in (1, 3, 6, 11)] == ["push"] + ["pull"] * 3
+    _push_threads_agree(rng, A, dtype, (3, 6, 11))
     x = random_values(rng, (k, 1)).astype(dtype)
     with cpu.threads(1):
         one = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu"))(A, x)
@@ -361,15 +361,16 @@ def test_narrow_pull_and_one_feature_push_on_any_thread_count(rng, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_narrow_push_in_pieces_matches_float64_on_any_thread_count(rng, dtype, weighted):
-    """Unsorted ids in 4 pieces at 2 to 7 features (the push's fixed-width loops), with
-    and without values: sum, max and min against float64, one thread against all."""
+    """Unsorted ids in 4 pieces at 2 to 7 and 9 to 15 features (the push's fixed-width
+    loops), with and without values: sum, max and min against float64, one thread
+    against all."""
     m, k = 3000, SERIAL_WORK // 2 + 7000
     ids = power_law_ids(rng, k, m)
     rng.shuffle(ids)
     data = random_values(rng, k).astype(dtype) if weighted else None
     A = CSRMatrix.from_indices(ids, m, data=data)
     itemsize = np.dtype(dtype).itemsize
-    widths = (2, 3, 4, 5, 6, 7)
+    widths = (2, 3, 4, 5, 6, 7, 9, 12, 15)
     assert all(cpu.choose(A.structure, f, itemsize).pieces == 4 for f in widths)
     _push_threads_agree(rng, A, dtype, widths)
 
@@ -978,7 +979,7 @@ def test_instruction_sets_give_the_same_bits(tmp_path, rng):
     cpu_level = _cpu_isa_level()
     for cap, level in (("baseline", 0), ("avx2", 1), ("", 2)):
         assert int(results[cap].pop("isa")) == min(level, cpu_level), cap
-    assert len(results[""]) == 3 * (6 * (3 * 6 + 4) + 2 * 4 * 2)  # dtypes x widths x outputs
+    assert len(results[""]) == 3 * (7 * (3 * 6 + 4) + 2 * 4 * 2)  # dtypes x widths x outputs
     for cap in ("baseline", "avx2"):
         assert results[cap].keys() == results[""].keys()
         for key, value in results[""].items():

@@ -181,7 +181,7 @@ def test_strategy_says_what_runs_and_why(rng):
 
 
 @needs_native
-@pytest.mark.parametrize("f", [2, 5, 7, 24])  # 2-7: the pull's fixed-width loops
+@pytest.mark.parametrize("f", [2, 5, 7, 13, 24])  # 2-7, 9-15: fixed-width loops
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16, np.float16])
 def test_one_piece_pull_and_push_give_the_same_bits(rng, dtype, f):
     """Unsorted ids in one piece, weighted and not, sum/max/min, jitted and under vmap:

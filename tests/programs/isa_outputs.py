@@ -28,9 +28,9 @@ def main() -> None:
             rows, cols, rng.standard_normal(k).astype(np.float32), shape=(m, n)
         )
         G = G.with_data(G.data.astype(dtype))
-        # 1 (eight lanes), 3 (the push's fixed-width loop), 16 and 64 (whole vectors),
-        # 19 and 72 (loops past the vectors)
-        for f in (1, 3, 16, 19, 64, 72):
+        # 1 (eight lanes), 3 and 12 (fixed-width loops), 16 and 64 (whole vectors), 19
+        # and 72 (loops past the vectors)
+        for f in (1, 3, 12, 16, 19, 64, 72):
             # unsorted ids with 1.5 a row reduce in one piece: the pull runs them
             for order, these, rows_of in (
                 ("sorted", np.sort(ids), m),

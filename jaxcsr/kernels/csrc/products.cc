@@ -102,10 +102,10 @@ JAXCSR_INLINE void pull_rows_blocks(const int32_t* indptr, const int32_t* cols,
   }
 }
 
-// Rows [lo, hi) of the pull product for F = 2..7 features: the loop of the general case
-// below with the width fixed at compile time, so the feature loop unrolls (a loop over
-// a width known only at run time is the bound at these widths). Same operations in the
-// same order: the same bits.
+// Rows [lo, hi) of the pull product for F = 2..7 and 9..15 features: the loop of the
+// general case below with the width fixed at compile time, so the feature loop unrolls
+// (a loop over a width known only at run time is the bound at these widths). Same
+// operations in the same order: the same bits.
 template <typename In, typename Out, typename Op, int F>
 JAXCSR_INLINE void pull_rows_narrow(const int32_t* indptr, const int32_t* cols,
                                     const typename In::Storage* data,
@@ -212,6 +212,13 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
     case 5: return pull_rows_narrow<In, Out, Op, 5>(indptr, cols, data, x, y, lo, hi, n, bad);
     case 6: return pull_rows_narrow<In, Out, Op, 6>(indptr, cols, data, x, y, lo, hi, n, bad);
     case 7: return pull_rows_narrow<In, Out, Op, 7>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 9: return pull_rows_narrow<In, Out, Op, 9>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 10: return pull_rows_narrow<In, Out, Op, 10>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 11: return pull_rows_narrow<In, Out, Op, 11>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 12: return pull_rows_narrow<In, Out, Op, 12>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 13: return pull_rows_narrow<In, Out, Op, 13>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 14: return pull_rows_narrow<In, Out, Op, 14>(indptr, cols, data, x, y, lo, hi, n, bad);
+    case 15: return pull_rows_narrow<In, Out, Op, 15>(indptr, cols, data, x, y, lo, hi, n, bad);
     default: break;
   }
   constexpr int64_t kWidth = 32;
@@ -281,10 +288,10 @@ JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage
   }
 }
 
-// The push body for rows of W = 2..7 features stored back to back (stride W): the
-// row's W values combined one by one, W known when compiled (a loop over a width
-// known only at run time cost rows this narrow about what 16 features cost). The
-// same operations per value as push_rows_body.
+// The push body for rows of W = 2..7 or 9..15 features stored back to back (stride W):
+// the row's W values combined one by one, W known when compiled (a loop over a width
+// known only at run time cost rows this narrow about what 16 features cost). The same
+// operations per value as push_rows_body.
 template <typename In, typename Op, int W>
 JAXCSR_INLINE void push_rows_narrow(const int32_t* ids, const typename In::Storage* data,
                                     const typename In::Storage* x, float* acc, int64_t m,
@@ -328,6 +335,13 @@ struct PushRows {
         case 5: return push_rows_narrow<In, Op, 5>(ids, data, x, acc, m, k0, k1);
         case 6: return push_rows_narrow<In, Op, 6>(ids, data, x, acc, m, k0, k1);
         case 7: return push_rows_narrow<In, Op, 7>(ids, data, x, acc, m, k0, k1);
+        case 9: return push_rows_narrow<In, Op, 9>(ids, data, x, acc, m, k0, k1);
+        case 10: return push_rows_narrow<In, Op, 10>(ids, data, x, acc, m, k0, k1);
+        case 11: return push_rows_narrow<In, Op, 11>(ids, data, x, acc, m, k0, k1);
+        case 12: return push_rows_narrow<In, Op, 12>(ids, data, x, acc, m, k0, k1);
+        case 13: return push_rows_narrow<In, Op, 13>(ids, data, x, acc, m, k0, k1);
+        case 14: return push_rows_narrow<In, Op, 14>(ids, data, x, acc, m, k0, k1);
+        case 15: return push_rows_narrow<In, Op, 15>(ids, data, x, acc, m, k0, k1);
         default: break;
       }
     }
