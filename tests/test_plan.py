@@ -5,6 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import recorded_plans
 import scipy.sparse as sp
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -128,3 +129,20 @@ def test_random_segment_ids_match_segment_sum(ids, extra):
     np.add.at(expected, idx, values.astype(np.float64))
     assert_close(A @ jnp.asarray(values), expected, np.float32)
     assert_close(jnp.asarray(values.T) @ A.T, expected.T, np.float32)
+
+
+def _assert_plans_equal(planned: dict, recorded: dict, keys) -> None:
+    for key in keys:
+        got, want = np.asarray(planned[key]), recorded[key]
+        assert got.dtype == want.dtype, (key, got.dtype, want.dtype)
+        np.testing.assert_array_equal(got, want, err_msg=key)
+
+
+def test_host_kernel_plans_equal_the_recorded_plans():
+    """GPU lanes and TPU schedules of fixed structures, element for element, against
+    the plans recorded before host and device planning became one planner."""
+    for name, recorded in recorded_plans.load().items():
+        structure = recorded_plans.structure_of(recorded_plans.inputs(recorded))
+        planned = recorded_plans.kernel_plans(structure)
+        assert set(planned) == {k for k in recorded if not k.startswith("input/")}, name
+        _assert_plans_equal(planned, recorded, planned)

@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+import recorded_plans
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
 from reference import (
@@ -126,6 +127,42 @@ def test_device_planners_run_under_jit(rng):
     _assert_same_arrays(gpu.plan_lanes(host.indptr), lanes, LANE_FIELDS)
     tiles = jax.jit(tpu.plan_on_device)(structure).tiles
     _assert_same_arrays(tpu.plan(host).tiles, tiles, TILE_FIELDS)
+
+
+def _traced_kernel_plans(case: dict) -> dict:
+    """GPU and TPU plans of a recorded case's ids or coordinates, planned under ``jit``
+    from device structures (no column-reuse estimate: plain lanes)."""
+
+    def planned(case):
+        if "ids" in case:
+            structure = device_plan.segment_structure(case["ids"], int(case["num_rows"]))
+        else:
+            shape = tuple(int(s) for s in case["shape"])
+            structure, _ = device_plan.coo_structure(case["row"], case["col"], shape)
+        return gpu.plan_on_device(structure), tpu.plan_on_device(structure)
+
+    static = {k: v for k, v in case.items() if k in ("num_rows", "shape")}
+    traced = {k: jnp.asarray(v) for k, v in case.items() if k not in static}
+    g, t = jax.jit(lambda c: planned({**c, **static}))(traced)
+    out = {f"gpu/plain_lanes/{f}": getattr(g.lanes, f) for f in LANE_FIELDS}
+    out |= {f"tpu/tiles/{f}": getattr(t.tiles, f) for f in TILE_FIELDS}
+    out["tpu/rows"] = t.rows
+    if g.t_lanes is not None:
+        out |= {f"gpu/plain_t_lanes/{f}": getattr(g.t_lanes, f) for f in LANE_FIELDS}
+        out |= {f"tpu/t_tiles/{f}": getattr(t.t_tiles, f) for f in TILE_FIELDS}
+        out["tpu/t_rows"] = t.t_rows
+    return out
+
+
+def test_traced_kernel_plans_equal_the_recorded_plans():
+    """The kernel plans of traced ids and coordinates equal those recorded from host
+    structures (``tests/recorded_plans.py``), element for element and dtype."""
+    for name, recorded in recorded_plans.load().items():
+        planned = _traced_kernel_plans(recorded_plans.inputs(recorded))
+        for key, got in planned.items():
+            got, want = np.asarray(got), recorded[key]
+            assert got.dtype == want.dtype, (name, key, got.dtype, want.dtype)
+            np.testing.assert_array_equal(got, want, err_msg=f"{name} {key}")
 
 
 REDUCES = ("sum", "mean", "max", "min")
