@@ -1,7 +1,9 @@
 """Device-side planning: the :class:`~jaxcsr.structure.Structure` of traced ids.
 
-The device twin of :mod:`jaxcsr.plan`, for index arrays that change at every step
-(per-batch graphs: jraph's ``receivers``, a padded molecule batch, a neighbour list).
+The structures :mod:`jaxcsr.plan` builds on the host, for index arrays that change at
+every step (per-batch graphs: jraph's ``receivers``, a padded molecule batch, a
+neighbour list). The backends' plans of these structures are the host's functions
+(:func:`jaxcsr.structure.array_namespace`); only the structures differ, below.
 Everything here is ``jnp``/``lax`` and runs inside ``jit``, ``grad``, ``scan`` and
 ``vmap``; array lengths depend only on the static sizes and the input length, so
 padded batches of one size compile once.

@@ -207,16 +207,16 @@ class CSRMatrix(SparseOperand):
     ) -> CSRMatrix:
         """Plans the requested backends on ``structure`` and moves all to the device.
 
-        A host structure (numpy leaves) gets the backends' host plans and is kept as
-        :attr:`host_structure`; one planned on the device (``on_device``: traced ids)
-        gets their device plans and no host structure. ``data`` comes in input order
-        and is stored as ``data[data_order]`` (``data_order`` defaults to
-        ``input_order``, the stored map).
+        A host structure (numpy leaves) gets the backends' plans on the host and is
+        kept as :attr:`host_structure`; one planned on the device (``on_device``: traced
+        ids) gets the same plans computed in the trace and no host structure. ``data``
+        comes in input order and is stored as ``data[data_order]`` (``data_order``
+        defaults to ``input_order``, the stored map).
         """
         if data is not None:  # checked before any planning or device work
             data = _check_values(data, structure.nnz, "data")
         if on_device:
-            index, order = Index.planned_on_device(structure, backends), input_order
+            index, order = Index.planned(structure, backends), input_order
         else:
             index = _to_device(Index.planned(structure, backends))
             order = None if input_order is None else _to_device(input_order)

@@ -43,13 +43,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jaxcsr import kernels
 from jaxcsr.dtypes import accumulation_dtype, product_dtype
 from jaxcsr.primitive import ShapedArray, def_jitted_impl, map_over_batch
-from jaxcsr.structure import Structure
+from jaxcsr.structure import Structure, array_namespace
 from jaxcsr.take_attaining import take_attaining
 
 __all__ = [
@@ -86,32 +87,27 @@ class Index:
     plans: dict[str, Any]
 
     @classmethod
-    def planned(cls, structure: Structure, backends: Any = None) -> Index:
+    def planned(cls, structure: Structure, backends: Any = None, *, required: bool = True) -> Index:
         """Plans ``backends`` (names, validated by
         :func:`~jaxcsr.kernels.resolve_backends`; ``None``: the defaults) on
-        ``structure``. Host structures (numpy leaves) stay on the host: moving the
-        index to the device is the caller's."""
-        names = kernels.resolve_backends(backends)
-        return cls(structure, {name: kernels.BACKENDS[name].plan(structure) for name in names})
-
-    @classmethod
-    def planned_on_device(
-        cls, structure: Structure, backends: Any = None, *, required: bool = True
-    ) -> Index:
-        """:meth:`planned` for a device structure (:mod:`jaxcsr.device_plan`), with each
-        backend's ``device_plan`` (valid under a trace). A backend without one is left
-        out (its platform runs the fallback) when it is a default or ``required`` is
-        False; a requested one raises."""
+        ``structure``: a host one (numpy leaves) gets host plans and stays on the host
+        (moving the index to the device is the caller's), a device one (traced ids,
+        :mod:`jaxcsr.device_plan`) gets the same plans computed in the trace. A backend
+        whose plan takes host structures only (:attr:`~jaxcsr.kernels.Backend.plans_traced`)
+        is left out of a device one (its platform runs the fallback) when it is a
+        default or ``required`` is False; a requested one raises."""
+        on_device = array_namespace(structure.indptr) is not np
         plans = {}
         for name in kernels.resolve_backends(backends):
-            device_plan = kernels.BACKENDS[name].device_plan
-            if device_plan is None and backends is not None and required:
-                raise ValueError(
-                    f"backends: {name!r} cannot be planned on the device (traced ids); "
-                    "build the matrix from concrete ids, or leave it out"
-                )
-            if device_plan is not None:
-                plans[name] = device_plan(structure)
+            backend = kernels.BACKENDS[name]
+            if on_device and not backend.plans_traced:
+                if backends is not None and required:
+                    raise ValueError(
+                        f"backends: {name!r} cannot be planned on the device (traced "
+                        "ids); build the matrix from concrete ids, or leave it out"
+                    )
+                continue
+            plans[name] = backend.plan(structure)
         return cls(structure, plans)
 
     def transpose(self) -> Index:

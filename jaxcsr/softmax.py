@@ -106,10 +106,10 @@ def rows_pattern(A: CSRMatrix) -> CSRMatrix:
 
     ``R @ v`` sums per-entry values ``v`` (``(nnz, F)``, CSR order) over each row of
     ``A``; ``R.T @ w`` broadcasts per-row values to the entries. Built on the device
-    from ``A``'s structure (no host work, valid under ``jit``), with the device plans
-    of ``A``'s backends, so the platform's kernel runs its row sums.
+    from ``A``'s structure (no host work, valid under ``jit``), with the plans of
+    ``A``'s backends, so the platform's kernel runs its row sums.
     """
-    index = Index.planned_on_device(A.structure.entry_rows(), A.backends, required=False)
+    index = Index.planned(A.structure.entry_rows(), A.backends, required=False)
     return CSRMatrix(None, index)
 
 

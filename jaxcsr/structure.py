@@ -42,8 +42,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-__all__ = ["KINDS", "Layout", "Structure"]
+__all__ = ["KINDS", "Layout", "Structure", "array_namespace"]
 
 KINDS: tuple[str, ...] = ("columns", "general")
 
@@ -77,6 +78,12 @@ class Layout:
         """``"columns"`` kind with exactly one entry in every column (``nnz == n``), known
         when planned (a padded layout may have dropped some)."""
         return self.kind == "columns" and self.nnz == self.shape[1] and not self.padded
+
+
+def array_namespace(array: Any) -> Any:
+    """The array module a planner computes with: numpy for a numpy (host) array,
+    jax.numpy for a device or traced one. A plan is one function over either."""
+    return np if isinstance(array, np.ndarray) else jnp
 
 
 def _iota(size: int, dtype) -> jax.Array:

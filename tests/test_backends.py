@@ -13,8 +13,10 @@ from reference import (
     assert_close,
     assert_sums_close,
     dense_of,
+    entry_rows,
     power_law_ids,
     random_values,
+    softmax_reference,
 )
 
 import jaxcsr
@@ -295,3 +297,23 @@ def test_a_backend_registered_later_works_end_to_end(rng, toy_backend):
     assert len(toy_backend) == before + 1
     with pytest.raises(TypeError, match="impl='toy' supports float32"):
         jaxcsr.matmul(A, x.astype(jnp.float16), impl="toy")
+
+
+def test_a_backend_with_host_plans_only_is_left_out_of_traced_ids(rng, toy_backend):
+    """A registered backend whose plan takes host structures only (``plans_traced``
+    False): matrices of traced ids that ask for it raise, naming it, before any
+    device work; the row pattern of a softmax over its matrix leaves it out."""
+    ids = power_law_ids(rng, 30, 5).astype(np.int32)
+
+    def build(i):
+        return CSRMatrix.from_indices(i, 5, backends=["toy"]).index.plans
+
+    with pytest.raises(ValueError, match="'toy' cannot be planned on the device"):
+        jax.jit(build)(jnp.asarray(ids))
+    assert set(jax.jit(lambda i: CSRMatrix.from_indices(i, 5).index.plans)(ids)) == {
+        *kernels.default_backends()
+    }
+    A = CSRMatrix.from_indices(ids, 5, backends=["toy"])
+    scores = random_values(rng, (30,)).astype(np.float32)
+    got = jax.jit(jaxcsr.edge_softmax)(A, jnp.asarray(scores))
+    assert_close(got, softmax_reference(scores, entry_rows(A), 5), np.float32)

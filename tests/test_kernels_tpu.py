@@ -42,7 +42,7 @@ def _skewed_ids(rng, size, num_rows, busy_rows):
 
 def _kernel_sum(values, indptr, num_rows, tiling, interpret=TPU_INTERPRET, **kw):
     schedule = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, tiling))
-    rows = tpu.padded_rows(tpu.host_rows(indptr), tiling.block_k, np)
+    rows = tpu.padded_rows(tpu.row_of_entry(indptr, int(indptr[-1])), tiling.block_k)
     return tpu.spmm(
         jnp.asarray(values),
         jnp.asarray(rows),
@@ -139,7 +139,7 @@ def test_feature_major_kernel_matches_float64(rng, dtype, n_features, interpret)
     starts = np.asarray(schedule.span)[(np.asarray(schedule.tile) & tpu.SKIP) == 0] & 0xFFFF
     assert len(set(starts % 128)) > 4  # windows at many lane offsets
     vals = random_values(rng, (1500, n_features)).astype(dtype)
-    rows = tpu.padded_rows(tpu.host_rows(indptr), WIDE_TILE.block_k, np)
+    rows = tpu.padded_rows(tpu.row_of_entry(indptr, int(indptr[-1])), WIDE_TILE.block_k)
 
     def kernel(reduce):
         return tpu.spmm_feature_major(
@@ -225,7 +225,7 @@ def _coverage(schedule: tpu.Schedule, indptr: np.ndarray) -> np.ndarray:
     """How many steps count each nonzero (decoded from the packed step arrays)."""
     t = schedule.tiling
     nnz = int(indptr[-1])
-    rows = tpu.host_rows(indptr)
+    rows = tpu.row_of_entry(indptr, nnz)
     seen = np.zeros(nnz, int)
     for b, word, span in zip(schedule.block, schedule.tile, schedule.span, strict=True):
         if word & tpu.SKIP:
@@ -263,13 +263,13 @@ def test_schedule_counts_every_nonzero_once_and_its_length_depends_on_shape_only
     assert lengths == {tpu.schedule_capacity(m, nnz, SMALL)}
 
 
-def test_device_schedule_equals_the_host_schedule(rng):
+def test_traced_schedule_equals_the_host_schedule(rng):
     for ids, m in ((power_law_ids(rng, 3000, 700), 700), (np.zeros(0, int), 5)):
         indptr, _ = plan.segment_ids_to_csr(np.asarray(ids), m)
         nnz = int(indptr[-1])
         for tiling in (SMALL, None):
             host = tpu.plan_schedule(indptr, tiling)
-            device = jax.jit(lambda p, t=tiling, n=nnz: tpu.plan_schedule_on_device(p, n, t))(
+            device = jax.jit(lambda p, t=tiling, n=nnz: tpu.plan_schedule(p, t, nnz=n))(
                 jnp.asarray(indptr, jnp.int32)
             )
             assert host.tiling == device.tiling

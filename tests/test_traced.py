@@ -47,15 +47,13 @@ def _assert_same_arrays(host, device, fields) -> None:
 
 def _assert_same_kernel_plans(host, device) -> None:
     """GPU lanes and TPU tile schedules of both views, element for element."""
-    hg, dg = gpu.plan_lanes(np.asarray(host.indptr)), gpu.plan_on_device(device).lanes
+    hg, dg = gpu.plan_lanes(np.asarray(host.indptr)), gpu.plan(device).lanes
     _assert_same_arrays(hg, dg, LANE_FIELDS)
-    ht, dt = tpu.plan(host), tpu.plan_on_device(device)
+    ht, dt = tpu.plan(host), tpu.plan(device)
     _assert_same_arrays(ht.tiles, dt.tiles, TILE_FIELDS)
     np.testing.assert_array_equal(ht.rows, dt.rows)
     if host.t_indptr is not None:
-        _assert_same_arrays(
-            gpu.plan_lanes(host.t_indptr), gpu.plan_on_device(device).t_lanes, LANE_FIELDS
-        )
+        _assert_same_arrays(gpu.plan_lanes(host.t_indptr), gpu.plan(device).t_lanes, LANE_FIELDS)
         _assert_same_arrays(ht.t_tiles, dt.t_tiles, TILE_FIELDS)
         np.testing.assert_array_equal(ht.t_rows, dt.t_rows)
 
@@ -123,9 +121,9 @@ def test_device_planners_run_under_jit(rng):
     host = plan.structure_from_segment_ids(ids, 50)
     structure = jax.jit(lambda i: device_plan.segment_structure(i, 50))(ids)
     np.testing.assert_array_equal(host.indices, structure.indices)
-    lanes = jax.jit(gpu.plan_on_device)(structure).lanes
+    lanes = jax.jit(gpu.plan)(structure).lanes
     _assert_same_arrays(gpu.plan_lanes(host.indptr), lanes, LANE_FIELDS)
-    tiles = jax.jit(tpu.plan_on_device)(structure).tiles
+    tiles = jax.jit(tpu.plan)(structure).tiles
     _assert_same_arrays(tpu.plan(host).tiles, tiles, TILE_FIELDS)
 
 
@@ -139,7 +137,7 @@ def _traced_kernel_plans(case: dict) -> dict:
         else:
             shape = tuple(int(s) for s in case["shape"])
             structure, _ = device_plan.coo_structure(case["row"], case["col"], shape)
-        return gpu.plan_on_device(structure), tpu.plan_on_device(structure)
+        return gpu.plan(structure), tpu.plan(structure)
 
     static = {k: v for k, v in case.items() if k in ("num_rows", "shape")}
     traced = {k: jnp.asarray(v) for k, v in case.items() if k not in static}

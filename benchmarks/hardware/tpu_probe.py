@@ -135,7 +135,7 @@ def probe(graph: str, widths, dtypes, repeats: int, emit, interpret: bool = Fals
         for bk, w in TILINGS:
             t = tpu.Tiling(bk, min(w, tpu.MAX_BLOCK_M), min(tpu.MAX_BLOCK_M, -(-m // 8) * 8))
             sched = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, t))
-            rows = jnp.asarray(tpu.padded_rows(tpu.host_rows(indptr), bk, np))
+            rows = jnp.asarray(tpu.padded_rows(tpu.row_of_entry(indptr, int(indptr[-1])), bk))
             steps = int(tpu.plan_schedule(indptr, t).num_steps)
             for reduce in ("sum", "max"):
                 run(
@@ -148,7 +148,7 @@ def probe(graph: str, widths, dtypes, repeats: int, emit, interpret: bool = Fals
                 )
         t = tpu.choose_tiling(m, e)
         sched = jax.tree.map(jnp.asarray, tpu.plan_schedule(indptr, t))
-        rows = jnp.asarray(tpu.padded_rows(tpu.host_rows(indptr), t.block_k, np))
+        rows = jnp.asarray(tpu.padded_rows(tpu.row_of_entry(indptr, int(indptr[-1])), t.block_k))
         for part in ("onehot", "mxu"):
             with stripped(part):
                 run(

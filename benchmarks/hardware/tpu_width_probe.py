@@ -83,7 +83,7 @@ def probe(graph, widths, calls, emit, interpret=False):
     dst = np.sort(g.dst)
     indptr = np.concatenate([[0], np.cumsum(np.bincount(dst, minlength=m))])
     onehot = sp.csr_array((np.ones(e), (dst, np.arange(e))), shape=(m, e))
-    rows_host = tpu.host_rows(indptr)
+    rows_host = tpu.row_of_entry(indptr, int(indptr[-1]))
     rng = np.random.default_rng(0)
     default = tpu.choose_tiling(m, e)
     emit({"graph": g.name, "rows": m, "nnz": e, "default_tiling": str(default)})
@@ -108,7 +108,7 @@ def probe(graph, widths, calls, emit, interpret=False):
         t = tpu.Tiling(bk, min(w, default.block_m), default.block_m)
         plan = tpu.plan_schedule(indptr, t)
         sched = jax.tree.map(jnp.asarray, plan)
-        rows = jnp.asarray(tpu.padded_rows(rows_host, t.block_k, np))
+        rows = jnp.asarray(tpu.padded_rows(rows_host, t.block_k))
         same = tpu.Schedule(jnp.zeros_like(sched.block), sched.tile, sched.span, t)
         tag = f"k={t.block_k} w={t.window} steps={plan.num_steps}"
         run(cell, f"{name} {tag}", lambda a: kernel(a, rows, sched), v, check=ref)

@@ -235,8 +235,8 @@ def _planner(which: str, num_rows: int):
         if which == "structure":
             return structure
         if which == "+ gpu lanes":
-            return structure, gpu.plan_on_device(structure)
-        return structure, tpu.plan_on_device(structure)
+            return structure, gpu.plan(structure)
+        return structure, tpu.plan(structure)
 
     return jax.jit(plan)
 

@@ -123,7 +123,9 @@ class Backend:
       name: what ``backends=`` and ``impl=`` call it.
       platform: the JAX platform whose default it is (``None``: none, the fallback).
       dtypes: value/operand dtypes it takes (``None``: every numeric dtype).
-      plan: host function ``Structure (numpy leaves) -> plan pytree or None``.
+      plan: ``Structure -> plan pytree or None``: for host structures (numpy leaves,
+        planned once) and, with :attr:`plans_traced`, device ones too (traced ids,
+        planned inside the trace), with equal results element for element.
       product: ``(x, data, view, plan, *, reduce, out_dtype, interpret, platform) ->
         (m, F)`` in ``out_dtype``, empty rows zero for every reduction (``"sum"``,
         ``"max"``, ``"min"``). Called with non-empty operands only (entries and
@@ -148,6 +150,9 @@ class Backend:
         the softmax's tangent from its output ``x = p``, ``p * g - p * rowsum(p *
         g)[row]``; calls ``fallback()`` (the XLA composition) for what it does not
         take. ``None``: the composition runs, on this backend's products.
+      plans_traced: whether ``plan`` also takes device structures (one function over
+        numpy and ``jax.numpy``, :func:`~jaxcsr.structure.array_namespace`); without,
+        matrices of traced ids leave the backend out and run on the fallback.
       missing: what is missing when :attr:`available` is False (for the messages).
       feature_major: whether ``product`` takes ``feature_major=True``: ``x`` as ``(F, n)``
         and the result as ``(F, m)`` (the layout of ``values @ A.T``), without
@@ -158,10 +163,6 @@ class Backend:
         as the backward pass has them) and reads them through the planned permutation.
         Where it says no (``None``: never), the primitive permutes the values first
         (one gather of ``nnz`` values per product).
-      device_plan: ``Structure (device leaves, may be traced) -> plan pytree``, the
-        twin of ``plan`` in ``jnp``/``lax``, for matrices planned inside a trace
-        (traced ids); equal to ``plan``'s result element for element. ``None``: the
-        backend cannot be planned there and such matrices run on the fallback.
     """
 
     name: str
@@ -176,9 +177,9 @@ class Backend:
     sddmm: SddmmFn | None = None
     arg_search: ArgSearch | None = None
     softmax: SoftmaxFn | None = None
-    device_plan: Callable[[Structure], Any] | None = None
     feature_major: bool = False
     transposed_data: Callable[..., bool] | None = None
+    plans_traced: bool = False
     missing: str = "the Pallas backend this kernel is written in"
 
     def require_available(self) -> None:
@@ -271,13 +272,13 @@ register(
         xla.describe,
         xla.covers,
         sddmm=xla.sddmm,
+        plans_traced=True,
         arg_search=ArgSearch(
             xla.extreme_positions,
             xla.extreme_columns,
             xla.extreme_column_mask,
             xla.put_attaining,
         ),
-        device_plan=xla.plan,
     )
 )
 register(
@@ -291,7 +292,7 @@ register(
         gpu.covers,
         gpu.available,
         default_for=gpu.default_for,
-        device_plan=gpu.plan_on_device,
+        plans_traced=True,
     )
 )
 register(
@@ -304,7 +305,7 @@ register(
         tpu.describe,
         tpu.covers,
         default_for=tpu.default_for,
-        device_plan=tpu.plan_on_device,
+        plans_traced=True,
     )
 )
 register(
@@ -317,11 +318,11 @@ register(
         cpu.describe,
         available=cpu.available,
         sddmm=cpu.sddmm,
+        plans_traced=True,
         arg_search=ArgSearch(
             cpu.arg_positions, cpu.arg_columns, xla.extreme_column_mask, cpu.put_attaining
         ),
         softmax=cpu.softmax,
-        device_plan=cpu.plan,
         feature_major=True,
         transposed_data=cpu.reads_transposed_data,
         missing="jaxcsr's compiled CPU library (built by pip install with a C++17 compiler)",

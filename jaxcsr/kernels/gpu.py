@@ -49,7 +49,7 @@ try:  # JAX 0.11 marks the Pallas Triton backend deprecated; it may go away.
 except ImportError:  # pragma: no cover - exercised by a subprocess test
     pltriton = None  # type: ignore[assignment]
 
-from jaxcsr.structure import Structure
+from jaxcsr.structure import Structure, array_namespace
 
 __all__ = [
     "CHUNK",
@@ -68,8 +68,6 @@ __all__ = [
     "lane_stats",
     "plan",
     "plan_lanes",
-    "plan_lanes_on_device",
-    "plan_on_device",
     "product",
     "spmm",
     "tile_config",
@@ -228,19 +226,19 @@ def lane_capacities(num_rows: int, nnz: int) -> tuple[int, int, int]:
     return chunks + (-chunks) % GROUP, groups + (-groups) % GROUP, long_rows
 
 
-def _issued(lengths: np.ndarray) -> int:
+def _issued(lengths):
     """Lane slots issued when lanes go ``GROUP`` at a time in this order (each group
-    as long as its longest lane)."""
-    pad = (-lengths.size) % GROUP
-    groups = np.concatenate([lengths, np.zeros(pad, lengths.dtype)]).reshape(-1, GROUP)
-    return int(groups.max(axis=1, initial=0).sum()) * GROUP
+    as long as its longest lane; zero lanes past the real ones add nothing)."""
+    xp = array_namespace(lengths)
+    groups = xp.pad(lengths, (0, (-lengths.shape[0]) % GROUP)).reshape(-1, GROUP)
+    return xp.sum(xp.max(groups, axis=1, initial=0)) * GROUP
 
 
 def _utilisation(lengths: np.ndarray) -> float:
     """Useful / issued lane slots when lanes go ``GROUP`` at a time in this order."""
     if lengths.size == 0 or lengths.sum() == 0:
         return 1.0
-    return float(lengths.sum() / _issued(lengths))
+    return float(lengths.sum() / int(_issued(lengths)))
 
 
 _MIN_UTILISATION = fractions.Fraction(str(CSR_ORDER_MIN_UTILISATION))
@@ -326,7 +324,7 @@ def _short_row_order(indptr, indices, short_rows) -> tuple[np.ndarray, tuple]:
     distinct_csr = _distinct_fraction(short_rows, indptr, indices)
     distinct_sorted = _distinct_fraction(by_length, indptr, indices)
     if indices is None:
-        csr = _csr_order_by_lanes(_issued(lengths), _issued(lengths[order]))
+        csr = _csr_order_by_lanes(int(_issued(lengths)), int(_issued(lengths[order])))
     else:
         csr = util_csr / distinct_csr >= CSR_ORDER_MIN_UTILISATION * util_sorted / distinct_sorted
     numbers = (bool(csr), util_csr, util_sorted, distinct_csr, distinct_sorted)
@@ -343,66 +341,89 @@ def lane_stats(indptr: np.ndarray, indices=None) -> LaneStats:
     return LaneStats(int((~is_long).sum()), int(is_long.sum()), chunks, *numbers)
 
 
-def _split(starts: np.ndarray, ends: np.ndarray, size: int):
-    """Cuts each range ``starts[i]:ends[i]`` into pieces of at most ``size``, in order.
+def _split(counts, starts, ends, slots: int, size: int):
+    """Ranges ``starts[i]:ends[i]`` cut into ``counts[i]`` pieces of at most ``size``,
+    in order, laid out range after range in ``slots`` places (numpy or ``jnp``, as the
+    arrays are); places past the last piece are ``(0, 0)``. Returns ``(start, end)``."""
+    xp, dtype = array_namespace(counts), counts.dtype
+    owner_end = xp.cumsum(counts, dtype=dtype)
+    piece = xp.arange(slots, dtype=dtype)
+    owner = xp.searchsorted(owner_end, piece, side="right")
+    real = owner < counts.shape[0]
+    owner = xp.minimum(owner, counts.shape[0] - 1)
+    start = starts[owner] + (piece - (owner_end - counts)[owner]) * size
+    end = xp.minimum(start + size, ends[owner])
+    zero = xp.zeros((), dtype)
+    return xp.where(real, start, zero), xp.where(real, end, zero)
 
-    Returns ``(piece_start, piece_end, pieces per range)``.
+
+def plan_lanes(indptr, indices=None, *, nnz: int | None = None) -> Lanes:
+    """Plans the passes for a CSR row pointer: numpy arrays for a numpy ``indptr``
+    (host, once per matrix), ``jnp`` ones (valid under a trace) otherwise, element for
+    element the same.
+
+    Args:
+      indptr: ``(m + 1,)`` row pointer.
+      indices: host column indices, only to inform the lane order (column reuse,
+        :func:`lane_stats`); ``None`` when every column is used once (segment
+        matrices) or on the device, where estimating reuse would cost two sorts a call.
+      nnz: stored entries (static: the capacities depend on it); defaults to
+        ``indptr[-1]``, which a traced ``indptr`` cannot give.
     """
-    starts, ends = starts.astype(np.int64), ends.astype(np.int64)
-    pieces = -(-(ends - starts) // size)
-    owner = np.repeat(np.arange(starts.size), pieces)
-    first = np.repeat(np.cumsum(pieces) - pieces, pieces)
-    piece_start = starts[owner] + (np.arange(owner.size) - first) * size
-    return piece_start, np.minimum(piece_start + size, ends[owner]), pieces
-
-
-def plan_lanes(indptr: np.ndarray, indices=None) -> Lanes:
-    """Plans the passes for a CSR structure (host, once); ``indices`` (column indices)
-    only inform the lane order (column reuse), ``None`` when every column is used once.
-    """
-    indptr = np.asarray(indptr)
-    itype = indptr.dtype
-    m = indptr.size - 1
-    nnz = int(indptr[-1])
-    lengths = np.diff(indptr).astype(np.int64)
+    xp, dtype = array_namespace(indptr), indptr.dtype
+    m = indptr.shape[0] - 1
+    if nnz is None:
+        if xp is not np:
+            raise ValueError("plan_lanes: nnz is required for a device indptr")
+        nnz = int(indptr[-1])
+    if indices is not None and xp is not np:
+        raise ValueError("plan_lanes: indices (the column-reuse estimate) are host-only")
+    num_chunks, num_groups, _ = lane_capacities(m, nnz)
+    if m == 0:
+        empty, slots = xp.zeros((0,), dtype), xp.zeros((num_chunks,), dtype)
+        groups = xp.zeros((num_groups,), dtype)
+        return Lanes(empty, empty, empty, xp.zeros((1,), dtype), slots, slots, groups, groups)
+    lengths = xp.diff(indptr)
     is_long = lengths > CHUNK
-    short_rows = np.flatnonzero(~is_long)
-    long_rows = np.flatnonzero(is_long)
+    num_short = xp.sum(~is_long).astype(dtype)
 
     # Pass 1: chunks of long rows, row by row (a row's partials are contiguous).
-    chunk_start, chunk_end, pieces = _split(indptr[:-1][long_rows], indptr[1:][long_rows], CHUNK)
-    num_chunks, num_groups, _ = lane_capacities(m, nnz)
-
+    pieces = xp.where(is_long, -(-lengths // CHUNK), 0).astype(dtype)
+    chunk_start, chunk_end = _split(pieces, indptr[:-1], indptr[1:], num_chunks, CHUNK)
     # Pass 1b: rows with more than CHUNK partials reduce them CHUNK at a time into
     # group partials, stored after the chunk slots of the same buffer.
-    partial_end = np.cumsum(pieces)
+    partial_end = xp.cumsum(pieces, dtype=dtype)
     partial_start = partial_end - pieces
     many = pieces > CHUNK
-    group_start, group_end, groups = _split(partial_start[many], partial_end[many], CHUNK)
-    group_slot_end = num_chunks + np.cumsum(groups)
-    long_start, long_end = partial_start.copy(), partial_end.copy()
-    long_start[many], long_end[many] = group_slot_end - groups, group_slot_end
+    groups = xp.where(many, -(-pieces // CHUNK), 0).astype(dtype)
+    group_start, group_end = _split(groups, partial_start, partial_end, num_groups, CHUNK)
+    group_slot_end = num_chunks + xp.cumsum(groups, dtype=dtype)
+    long_start = xp.where(many, group_slot_end - groups, partial_start)
+    long_end = xp.where(many, group_slot_end, partial_end)
 
-    # Pass 2: short rows in CSR order or by length, then long rows.
-    short_rows, _ = _short_row_order(indptr, indices, short_rows)
-    row = np.concatenate([short_rows, long_rows])
-    start = np.concatenate([indptr[:-1][short_rows], long_start])
-    end = np.concatenate([indptr[1:][short_rows], long_end])
-
-    def padded(values, size):
-        out = np.zeros(size, itype)
-        out[: values.size] = values
-        return out
-
+    # Pass 2: short rows in CSR order or by length (stable), then long rows.
+    # (int8 keys: short lengths and the long rows' CHUNK + 1 fit; numpy radix-sorts them)
+    by_csr = xp.argsort(is_long, stable=True).astype(dtype)
+    key = xp.where(is_long, CHUNK + 1, lengths).astype(xp.int8)
+    by_length = xp.argsort(key, stable=True).astype(dtype)
+    if indices is None:
+        short_lengths = xp.where(is_long, 0, lengths)
+        csr = _csr_order_by_lanes(_issued(short_lengths[by_csr]), _issued(short_lengths[by_length]))
+    else:
+        _, (csr, *_) = _short_row_order(indptr, indices, np.flatnonzero(~is_long))
+    row = xp.where(csr, by_csr, by_length)
+    short = xp.arange(m, dtype=dtype) < num_short
+    start = xp.where(short, indptr[:-1][row], long_start[row])
+    end = xp.where(short, indptr[1:][row], long_end[row])
     return Lanes(
-        row=row.astype(itype),
-        start=start.astype(itype),
-        end=end.astype(itype),
-        num_short=np.array([short_rows.size], itype),
-        chunk_start=padded(chunk_start, num_chunks),
-        chunk_end=padded(chunk_end, num_chunks),
-        group_start=padded(group_start, num_groups),
-        group_end=padded(group_end, num_groups),
+        row=row,
+        start=start,
+        end=end,
+        num_short=xp.reshape(num_short, (1,)),
+        chunk_start=chunk_start,
+        chunk_end=chunk_end,
+        group_start=group_start,
+        group_end=group_end,
     )
 
 
@@ -425,97 +446,16 @@ jax.tree_util.register_dataclass(GpuPlan, data_fields=["lanes", "t_lanes"], meta
 
 
 def plan(structure: Structure) -> GpuPlan:
-    """The host plan for a host :class:`~jaxcsr.structure.Structure` (numpy leaves)."""
-    indptr, t_indptr = structure.kernel_indptrs()
-    if t_indptr is None:  # "columns": one entry per column, so no column is reused
-        return GpuPlan(plan_lanes(indptr), None)
-    return GpuPlan(plan_lanes(indptr, structure.indices), plan_lanes(t_indptr, structure.t_indices))
-
-
-def _split_on_device(counts, starts, ends, slots: int, size: int, dtype):
-    """Device :func:`_split`: ranges ``starts[i]:ends[i]`` cut into ``counts[i]`` pieces
-    of at most ``size``, laid out range after range in ``slots`` places; places past
-    the last piece are ``(0, 0)``, as the host pads them."""
-    owner_end = jnp.cumsum(counts, dtype=dtype)
-    piece = jnp.arange(slots, dtype=dtype)
-    owner = jnp.searchsorted(owner_end, piece, side="right")
-    real = owner < counts.shape[0]
-    owner = jnp.minimum(owner, counts.shape[0] - 1)
-    start = starts[owner] + (piece - (owner_end - counts)[owner]) * size
-    end = jnp.minimum(start + size, ends[owner])
-    zero = jnp.zeros((), dtype)
-    return jnp.where(real, start, zero), jnp.where(real, end, zero)
-
-
-def _issued_on_device(lengths: jax.Array) -> jax.Array:
-    """Device :func:`_issued` of lane lengths (zeros past the real lanes add nothing)."""
-    pad = (-lengths.shape[0]) % GROUP
-    groups = jnp.pad(lengths, (0, pad)).reshape(-1, GROUP)
-    return jnp.sum(jnp.max(groups, axis=1)) * GROUP
-
-
-def plan_lanes_on_device(indptr: jax.Array, nnz: int) -> Lanes:
-    """:func:`plan_lanes` in ``jnp`` (valid under a trace), for a structure of ``nnz``
-    stored entries (static: the capacities depend on it) planned on the device. It
-    equals the host plan without the column-reuse estimate (``indices=None``, exact
-    for segment matrices, whose columns are used once): estimating reuse costs two
-    sorts per call."""
-    dtype = indptr.dtype
-    m = indptr.shape[0] - 1
-    num_chunks, num_groups, _ = lane_capacities(m, nnz)
-    if m == 0:
-        return plan_lanes(np.zeros(1, dtype))
-    lengths = jnp.diff(indptr)
-    is_long = lengths > CHUNK
-    num_short = jnp.sum(~is_long).astype(dtype)
-
-    # Pass 1: chunks of long rows, row by row.
-    pieces = jnp.where(is_long, -(-lengths // CHUNK), 0).astype(dtype)
-    chunk_start, chunk_end = _split_on_device(
-        pieces, indptr[:-1], indptr[1:], num_chunks, CHUNK, dtype
-    )
-    # Pass 1b: groups of partials, stored after the chunk slots.
-    partial_end = jnp.cumsum(pieces, dtype=dtype)
-    partial_start = partial_end - pieces
-    many = pieces > CHUNK
-    groups = jnp.where(many, -(-pieces // CHUNK), 0).astype(dtype)
-    group_start, group_end = _split_on_device(
-        groups, partial_start, partial_end, num_groups, CHUNK, dtype
-    )
-    group_slot_end = num_chunks + jnp.cumsum(groups, dtype=dtype)
-    long_start = jnp.where(many, group_slot_end - groups, partial_start)
-    long_end = jnp.where(many, group_slot_end, partial_end)
-
-    # Pass 2: short rows in CSR order or by length (stable), then long rows.
-    row_ids = jnp.arange(m, dtype=dtype)
-    by_csr = jnp.argsort(is_long, stable=True).astype(dtype)
-    by_length = jnp.argsort(jnp.where(is_long, CHUNK + 1, lengths), stable=True).astype(dtype)
-    short_lengths = jnp.where(is_long, 0, lengths)
-    csr = _csr_order_by_lanes(
-        _issued_on_device(short_lengths[by_csr]), _issued_on_device(short_lengths[by_length])
-    )
-    row = jnp.where(csr, by_csr, by_length)
-    short = row_ids < num_short
-    start = jnp.where(short, indptr[:-1][row], long_start[row])
-    end = jnp.where(short, indptr[1:][row], long_end[row])
-    return Lanes(
-        row=row,
-        start=start,
-        end=end,
-        num_short=num_short[None],
-        chunk_start=chunk_start,
-        chunk_end=chunk_end,
-        group_start=group_start,
-        group_end=group_end,
-    )
-
-
-def plan_on_device(structure: Structure) -> GpuPlan:
-    """:func:`plan` for a structure planned on the device (traced ids)."""
+    """The plan of a :class:`~jaxcsr.structure.Structure`: numpy arrays for a host one
+    (lane order informed by column reuse), ``jnp`` ones (valid under a trace) for one
+    planned on the device."""
     indptr, t_indptr = structure.kernel_indptrs()
     nnz = structure.nnz
-    t_lanes = None if t_indptr is None else plan_lanes_on_device(t_indptr, nnz)
-    return GpuPlan(plan_lanes_on_device(indptr, nnz), t_lanes)
+    if t_indptr is None:  # "columns": one entry per column, so no column is reused
+        return GpuPlan(plan_lanes(indptr, nnz=nnz), None)
+    host = array_namespace(indptr) is np
+    indices, t_indices = (structure.indices, structure.t_indices) if host else (None, None)
+    return GpuPlan(plan_lanes(indptr, indices, nnz=nnz), plan_lanes(t_indptr, t_indices, nnz=nnz))
 
 
 def covers(view: Structure) -> bool:

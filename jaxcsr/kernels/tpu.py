@@ -59,7 +59,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jaxcsr.kernels import xla
 from jaxcsr.kernels.semiring import column_values, entry_values, zero_empty_rows
-from jaxcsr.structure import Structure
+from jaxcsr.structure import Structure, array_namespace
 
 __all__ = [
     "Schedule",
@@ -70,13 +70,11 @@ __all__ = [
     "default_for",
     "describe",
     "feature_major",
-    "host_rows",
     "padded_rows",
     "plan",
-    "plan_on_device",
     "plan_schedule",
-    "plan_schedule_on_device",
     "product",
+    "row_of_entry",
     "schedule_capacity",
     "spmm",
     "spmm_feature_major",
@@ -209,93 +207,63 @@ def _pack(block, tile, flags, start, lo) -> tuple[Any, Any, Any]:
     return block, (tile << _FLAG_BITS) | flags, start | (lo << _LO_SHIFT)
 
 
-def plan_schedule(indptr: np.ndarray, tiling: Tiling | None = None) -> Schedule:
-    """The host schedule of a CSR row pointer (numpy); ``tiling`` defaults to
-    :func:`choose_tiling` of its shape."""
-    indptr = np.asarray(indptr, np.int64)
-    m, nnz = indptr.size - 1, int(indptr[-1])
-    t = choose_tiling(m, nnz) if tiling is None else tiling
-    bk, w, bm = t.block_k, t.window, t.block_m
-    num_tiles, num_blocks = max(1, -(-m // bm)), max(1, -(-nnz // bk))
-    bounds = np.minimum(np.arange(num_tiles + 1) * bm, m)
-    t_start, t_end = indptr[bounds[:-1]], indptr[bounds[1:]]
-    k0 = np.minimum(t_start // bk, num_blocks - 1)
-    pairs_per_tile = np.where(t_end > t_start, -(-t_end // bk) - k0, 1)
-    pair_tile = np.repeat(np.arange(num_tiles), pairs_per_tile)
-    pair_first = np.cumsum(pairs_per_tile) - pairs_per_tile
-    pair_block = k0[pair_tile] + np.arange(pair_tile.size) - pair_first[pair_tile]
-    e0 = np.maximum(t_start[pair_tile], pair_block * bk)
-    e1 = np.minimum(t_end[pair_tile], (pair_block + 1) * bk)
-    empty = e1 <= e0
-    base = pair_tile * bm
-    ra = np.searchsorted(indptr, e0, side="right") - 1 - base
-    rb = np.searchsorted(indptr, e1 - 1, side="right") - 1 - base
-    a0 = np.where(empty, 0, ra // SUBLANES * SUBLANES)
-    windows = np.where(empty, 1, -(-(rb + 1 - a0) // w))
-    step_pair = np.repeat(np.arange(pair_tile.size), windows)
-    step_first = np.cumsum(windows) - windows
-    lo = a0[step_pair] + (np.arange(step_pair.size) - step_first[step_pair]) * w
-    start = np.minimum(lo, bm - w)
-    tile = pair_tile[step_pair]
-    first_of_tile = np.ones(step_pair.size, bool)
-    first_of_tile[1:] = tile[1:] != tile[:-1]
-    flags = np.where(first_of_tile, FIRST, 0) | np.where(empty[step_pair], SKIP, 0)
-    capacity = schedule_capacity(m, nnz, t)
-    steps = step_pair.size
-    assert steps <= capacity, (steps, capacity)
-    out = [np.zeros(capacity, np.int32) for _ in range(5)]
-    for arr, vals, pad in zip(
-        out,
-        (pair_block[step_pair], tile, flags, start, lo),
-        (pair_block[-1], tile[-1], SKIP, start[-1], lo[-1]),
-        strict=True,
-    ):
-        arr[:steps], arr[steps:] = vals, pad
-    return Schedule(*_pack(*out), t)
+def plan_schedule(indptr, tiling: Tiling | None = None, *, nnz: int | None = None) -> Schedule:
+    """The schedule of a CSR row pointer: numpy arrays for a numpy ``indptr`` (host),
+    ``jnp`` ones (valid under a trace) otherwise, element for element the same.
 
-
-def plan_schedule_on_device(indptr: jax.Array, nnz: int, tiling: Tiling | None = None) -> Schedule:
-    """:func:`plan_schedule` in ``jnp`` (valid under a trace) for a structure of ``nnz``
-    entries (static: the tiling and capacity depend on it); equal to the host's."""
+    Args:
+      indptr: ``(m + 1,)`` row pointer.
+      tiling: defaults to :func:`choose_tiling` of ``(m, nnz)``.
+      nnz: the structure's stored entries (static: the tiling and the capacity depend
+        on it); defaults to ``indptr[-1]``, which a traced ``indptr`` cannot give. A
+        padded structure's dropped entries after ``indptr[-1]`` get no step.
+    """
+    xp = array_namespace(indptr)
     m = indptr.shape[0] - 1
+    if nnz is None:
+        if xp is not np:
+            raise ValueError("plan_schedule: nnz is required for a device indptr")
+        nnz = int(indptr[-1])
     t = choose_tiling(m, nnz) if tiling is None else tiling
     bk, w, bm = t.block_k, t.window, t.block_m
     num_tiles, num_blocks = max(1, -(-m // bm)), max(1, -(-nnz // bk))
-    indptr = indptr.astype(jnp.int32)
+    # the host computes in int64 (no overflow near 2**31 entries); int32 on the device
+    itype = np.int64 if xp is np else jnp.int32
+    indptr = indptr.astype(itype)
     bounds = np.minimum(np.arange(num_tiles + 1) * bm, m)
     t_start, t_end = indptr[bounds[:-1]], indptr[bounds[1:]]
-    k0 = jnp.minimum(t_start // bk, num_blocks - 1)
-    pairs_per_tile = jnp.where(t_end > t_start, -(-t_end // bk) - k0, 1)
-    pair_end = jnp.cumsum(pairs_per_tile)
+    # pairs of a tile and a block it meets, tile after tile (at least one per tile)
+    k0 = xp.minimum(t_start // bk, num_blocks - 1)
+    pairs_per_tile = xp.where(t_end > t_start, -(-t_end // bk) - k0, 1)
+    pair_end = xp.cumsum(pairs_per_tile)
     num_pairs = pair_end[-1]
-    pair_cap = num_tiles + num_blocks
-    p = jnp.arange(pair_cap, dtype=jnp.int32)
-    pair_tile = jnp.minimum(jnp.searchsorted(pair_end, p, side="right"), num_tiles - 1)
+    p = xp.arange(num_tiles + num_blocks, dtype=itype)
+    pair_tile = xp.minimum(xp.searchsorted(pair_end, p, side="right"), num_tiles - 1)
     pair_block = k0[pair_tile] + p - (pair_end - pairs_per_tile)[pair_tile]
-    e0 = jnp.maximum(t_start[pair_tile], pair_block * bk)
-    e1 = jnp.minimum(t_end[pair_tile], (pair_block + 1) * bk)
+    e0 = xp.maximum(t_start[pair_tile], pair_block * bk)
+    e1 = xp.minimum(t_end[pair_tile], (pair_block + 1) * bk)
     empty = e1 <= e0
     base = pair_tile * bm
-    ra = jnp.searchsorted(indptr, e0, side="right") - 1 - base
-    rb = jnp.searchsorted(indptr, e1 - 1, side="right") - 1 - base
-    a0 = jnp.where(empty, 0, ra // SUBLANES * SUBLANES)
-    windows = jnp.where(empty, 1, -(-(rb + 1 - a0) // w))
-    windows = jnp.where(p < num_pairs, windows, 0)
-    step_end = jnp.cumsum(windows)
+    ra = xp.searchsorted(indptr, e0, side="right") - 1 - base
+    rb = xp.searchsorted(indptr, e1 - 1, side="right") - 1 - base
+    # the windows of each pair; steps past the real ones repeat the last as SKIP steps
+    a0 = xp.where(empty, 0, ra // SUBLANES * SUBLANES)
+    windows = xp.where(empty, 1, -(-(rb + 1 - a0) // w))
+    windows = xp.where(p < num_pairs, windows, 0)
+    step_end = xp.cumsum(windows)
     steps = step_end[-1]
-    capacity = schedule_capacity(m, nnz, t)
-    s = jnp.arange(capacity, dtype=jnp.int32)
-    last = jnp.minimum(s, steps - 1)  # padding steps repeat the last real step
-    step_pair = jnp.searchsorted(step_end, last, side="right").astype(jnp.int32)
+    s = xp.arange(schedule_capacity(m, nnz, t), dtype=itype)
+    last = xp.minimum(s, steps - 1)
+    step_pair = xp.searchsorted(step_end, last, side="right")
     lo = a0[step_pair] + (last - (step_end - windows)[step_pair]) * w
-    start = jnp.minimum(lo, bm - w)
+    start = xp.minimum(lo, bm - w)
     tile = pair_tile[step_pair]
-    prev_tile = jnp.concatenate([jnp.full((1,), -1, tile.dtype), tile[:-1]])
+    prev_tile = xp.concatenate([xp.full((1,), -1, tile.dtype), tile[:-1]])
     real = s < steps
-    flags = jnp.where(real & (tile != prev_tile), FIRST, 0)
-    flags = flags | jnp.where(empty[step_pair] | ~real, SKIP, 0)
+    flags = xp.where(real & (tile != prev_tile), FIRST, 0)
+    flags = flags | xp.where(empty[step_pair] | ~real, SKIP, 0)
     fields = (pair_block[step_pair], tile, flags, start, lo)
-    return Schedule(*_pack(*(f.astype(jnp.int32) for f in fields)), t)
+    return Schedule(*_pack(*(f.astype(xp.int32) for f in fields)), t)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -321,54 +289,43 @@ jax.tree_util.register_dataclass(
 )
 
 
-def padded_rows(rows, block_k: int, xp):
+def padded_rows(rows, block_k: int):
     """``(1, nnz padded to whole blocks of block_k)`` int32: each nonzero's row, -1 in
-    the padding (``xp``: numpy on the host, jax.numpy on the device)."""
+    the padding (numpy for numpy ``rows``, else ``jnp``)."""
+    xp = array_namespace(rows)
     (nnz,) = rows.shape
     pad = max(1, -(-nnz // block_k)) * block_k - nnz
     return xp.concatenate([rows.astype(xp.int32), xp.full((pad,), -1, xp.int32)])[None, :]
 
 
-def host_rows(indptr: np.ndarray) -> np.ndarray:
-    """The row of every nonzero of a row pointer, in CSR order (host)."""
-    indptr = np.asarray(indptr, np.int64)
-    return np.repeat(np.arange(indptr.size - 1), np.diff(indptr))
+def row_of_entry(indptr, nnz: int):
+    """``(nnz,)`` int32: the row of every entry in CSR order, -1 for the entries after
+    ``indptr[-1]`` (a padded structure's dropped ids); numpy for a numpy ``indptr``,
+    else ``jnp``. On the device the row of entry ``k`` is the number of rows ``r >= 1``
+    with ``indptr[r] <= k``: a scatter of one mark per row start and a cumulative sum
+    (no scatter of ``nnz`` values, slow on TPU); the host repeats each row id."""
+    xp = array_namespace(indptr)
+    if xp is np:
+        repeated = np.repeat(np.arange(indptr.size - 1, dtype=np.int32), np.diff(indptr))
+        return np.concatenate([repeated, np.full(nnz - repeated.size, -1, np.int32)])
+    indptr = indptr.astype(jnp.int32)
+    marks = jnp.zeros((nnz,), jnp.int32).at[indptr[1:]].add(1, mode="drop")
+    rows = jnp.cumsum(marks, dtype=jnp.int32)
+    return jnp.where(jnp.arange(nnz, dtype=jnp.int32) < indptr[-1], rows, -1)
 
 
 def plan(structure: Structure) -> TpuPlan:
-    """The host plan for a host :class:`~jaxcsr.structure.Structure` (numpy leaves)."""
-    indptr, t_indptr = structure.kernel_indptrs()
-    tiles = plan_schedule(indptr)
-    rows = padded_rows(host_rows(indptr), tiles.tiling.block_k, np)
-    if t_indptr is None:
-        return TpuPlan(tiles, rows, None, None)
-    t_tiles = plan_schedule(t_indptr)
-    t_rows = padded_rows(host_rows(t_indptr), t_tiles.tiling.block_k, np)
-    return TpuPlan(tiles, rows, t_tiles, t_rows)
-
-
-def plan_on_device(structure: Structure) -> TpuPlan:
-    """:func:`plan` for a structure planned on the device (traced ids). Entries of
-    dropped ids (after the last row) get row -1, as padding does."""
+    """The plan of a :class:`~jaxcsr.structure.Structure`: numpy arrays for a host one,
+    ``jnp`` ones (valid under a trace) for one planned on the device, alike."""
     indptr, t_indptr = structure.kernel_indptrs()
     nnz = structure.nnz
-
-    def rows_of(view: Structure, tiling: Tiling):
-        # row of entry k = number of rows r >= 1 with indptr[r] <= k: a scatter of one
-        # mark per row start and a cumulative sum (no scatter of nnz, slow on TPU)
-        indptr = view.view_indptr().astype(jnp.int32)
-        marks = jnp.zeros((nnz,), jnp.int32).at[indptr[1:]].add(1, mode="drop")
-        rows = jnp.cumsum(marks, dtype=jnp.int32)
-        stored = jnp.arange(nnz, dtype=jnp.int32) < indptr[-1]
-        return padded_rows(jnp.where(stored, rows, -1), tiling.block_k, jnp)
-
-    tiles = plan_schedule_on_device(indptr, nnz)
-    plain = structure if not structure.transposed else structure.transpose()
-    rows = rows_of(plain, tiles.tiling)
+    tiles = plan_schedule(indptr, nnz=nnz)
+    rows = padded_rows(row_of_entry(indptr, nnz), tiles.tiling.block_k)
     if t_indptr is None:
         return TpuPlan(tiles, rows, None, None)
-    t_tiles = plan_schedule_on_device(t_indptr, nnz)
-    return TpuPlan(tiles, rows, t_tiles, rows_of(plain.transpose(), t_tiles.tiling))
+    t_tiles = plan_schedule(t_indptr, nnz=nnz)
+    t_rows = padded_rows(row_of_entry(t_indptr, nnz), t_tiles.tiling.block_k)
+    return TpuPlan(tiles, rows, t_tiles, t_rows)
 
 
 # --------------------------------------------------------------------- kernel
