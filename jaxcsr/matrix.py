@@ -668,8 +668,9 @@ class CSRMatrix(SparseOperand):
                 f"backends={self.backends}; build it with backends=(..., {impl!r}), e.g. "
                 f"CSRMatrix.from_indices(idx, num_rows, backends=['xla', {impl!r}])"
             )
-        if impl is not None and not kernels.BACKENDS[impl].supports(x.dtype, self.dtype):
-            names = "/".join(sorted(str(d) for d in kernels.BACKENDS[impl].dtypes or ()))
+        coverage = None if impl is None else kernels.BACKENDS[impl].coverage
+        if coverage is not None and not coverage.supports(x.dtype, self.dtype):
+            names = "/".join(sorted(str(d) for d in coverage.dtypes or ()))
             raise TypeError(
                 f"impl={impl!r} supports {names}, got X {x.dtype} and data {self.dtype}"
             )

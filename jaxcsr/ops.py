@@ -21,8 +21,8 @@ has values, then the leaves of the :class:`Index` (the portable
 the sum in the accumulation dtype -- float32 for 16-bit floats -- instead of rounding
 it to the product dtype; what the mean divides), ``feature_major`` (``x`` is ``(F, n)``
 and the result ``(F, m)``: the layout of ``values @ A.T``; sums only), ``impl`` and
-``interpret``. A backend without feature-major products (:attr:`Backend.feature_major
-<jaxcsr.kernels.Backend>`) gets the transposes around its row-major product.
+``interpret``. A backend without feature-major products (:attr:`Capabilities.feature_major
+<jaxcsr.kernels.Capabilities>`) gets the transposes around its row-major product.
 
 The sum is bilinear in ``(X, data)``: its JVP binds the primitive on the tangents and
 its transpose is the product with the transposed view (and an SDDMM for ``data``).
@@ -93,14 +93,14 @@ class Index:
         ``structure``: a host one (numpy leaves) gets host plans and stays on the host
         (moving the index to the device is the caller's), a device one (traced ids,
         :mod:`jaxcsr.device_plan`) gets the same plans computed in the trace. A backend
-        whose plan takes host structures only (:attr:`~jaxcsr.kernels.Backend.plans_traced`)
+        whose plan takes host structures only (:attr:`~jaxcsr.kernels.Capabilities.plans_traced`)
         is left out of a device one (its platform runs the fallback) when it is a
         default or ``required`` is False; a requested one raises."""
         on_device = array_namespace(structure.indptr) is not np
         plans = {}
         for name in kernels.resolve_backends(backends):
             backend = kernels.BACKENDS[name]
-            if on_device and not backend.plans_traced:
+            if on_device and not backend.capabilities.plans_traced:
                 if backends is not None and required:
                     raise ValueError(
                         f"backends: {name!r} cannot be planned on the device (traced "
@@ -143,7 +143,7 @@ def product(
     only), ``x`` is ``(F, n)`` and the result ``(F, m)``. With ``data_transposed=True``
     (sums of ``"general"`` views with values; the backward pass binds it), ``data`` is in
     the CSR order of the view's transpose: the lowering puts it in the view's order, or
-    a backend that declares :attr:`~jaxcsr.kernels.Backend.transposed_data` reads it
+    a backend that declares :attr:`~jaxcsr.kernels.Capabilities.transposed_data` reads it
     through the planned permutation itself."""
     if feature_major and params["reduce"] != "sum":
         raise ValueError(f"feature_major products are sums, got reduce={params['reduce']!r}")
@@ -251,7 +251,7 @@ def arg_search(kind: str, x, data, index: Index, out, impl: str | None) -> jax.A
     (chosen when lowered, by ``lax.platform_dependent``); every other case runs the
     fallback's. All answer the same (first hits)."""
     structure = index.structure
-    fallback = getattr(kernels.fallback().arg_search, kind)
+    fallback = getattr(kernels.fallback().capabilities.arg_search, kind)
     own = _own_searches(index, impl)
     branches = {p: _at_view(getattr(search, kind), structure) for p, search in own.items()}
     if not branches:
@@ -271,8 +271,9 @@ def _own_searches(index: Index, impl: str | None) -> dict[str, kernels.ArgSearch
         if name is None or name not in index.plans or impl not in (None, name):
             continue
         backend = kernels.BACKENDS[name]
-        if backend.arg_search is not None and backend.available():
-            own[platform] = backend.arg_search
+        search = backend.capabilities.arg_search
+        if search is not None and backend.available():
+            own[platform] = search
     return own
 
 
@@ -300,13 +301,13 @@ def sampler_for(platform: str, index: Index, *dtypes) -> Any:
     backend = None if name is None else kernels.BACKENDS[name]
     if (
         backend is not None
-        and backend.sddmm is not None
+        and backend.capabilities.sddmm is not None
         and name in index.plans
         and backend.available()
-        and backend.supports(*dtypes)
+        and backend.coverage.supports(*dtypes)
     ):
-        return backend.sddmm
-    return kernels.fallback().sddmm
+        return backend.capabilities.sddmm
+    return kernels.fallback().capabilities.sddmm
 
 
 # ----------------------------------------------------------------------- sddmm
@@ -399,14 +400,14 @@ def backend_for(
     runs on the fallback. An explicit ``impl`` runs where its plan is present (the
     caller checked); an explicit backend this jax cannot run raises. ``impl=None``
     runs the platform's kernel when the matrix carries its plan, the dtypes suit it,
-    the backend is the default for the view (:attr:`~jaxcsr.kernels.Backend.default_for`)
+    the backend is the default for the view (:attr:`~jaxcsr.kernels.Coverage.default_for`)
     and this jax ships what the kernel is written in (else one warning per process),
     and the fallback otherwise.
     """
     view = index.structure
     if impl is not None:
         backend = kernels.BACKENDS[impl]
-        if not backend.covers(view):
+        if not backend.coverage.covers(view):
             return kernels.fallback()
         backend.require_available()
         return backend
@@ -417,9 +418,9 @@ def backend_for(
     if not backend.available():
         backend.warn_unavailable()
         return kernels.fallback()
-    if not (backend.supports(x_dtype, data_dtype) and backend.covers(view)):
+    if not (backend.coverage.supports(x_dtype, data_dtype) and backend.coverage.covers(view)):
         return kernels.fallback()
-    if backend.default_for(view, product_dtype(x_dtype, data_dtype), reduce):
+    if backend.coverage.default_for(view, product_dtype(x_dtype, data_dtype), reduce):
         return backend
     return kernels.fallback()
 
@@ -454,9 +455,9 @@ def _lowered_impl(
             f"impl={backend.name!r} needs platform {backend.platform!r} (platform is "
             f"{platform!r}); pass interpret=True to run it in Pallas interpret mode"
         )
-    native = feature_major and backend.feature_major
+    native = feature_major and backend.capabilities.feature_major
     options = {"feature_major": True} if native else {}
-    reads = backend.transposed_data
+    reads = backend.capabilities.transposed_data
     if data_transposed and reads is not None and reads(s, platform, x.dtype, data_dtype, out_dtype):
         options["data_transposed"] = True
     elif data_transposed:
@@ -522,7 +523,7 @@ def _extreme_tangent(x, data, index: Index, out, x_dot, data_dot, params) -> jax
         def masked_sum(x, data, out, x_dot, data_dot):
             # <= 1 nonzero per column (from_indices): the tangent is a masked sum,
             # A @ (mask * x_dot), whose transpose is a row gather times the mask.
-            search = kernels.fallback().arg_search.column_mask
+            search = kernels.fallback().capabilities.arg_search.column_mask
             mask = search(*jax.lax.stop_gradient((x, data)), s, jax.lax.stop_gradient(out))
             tangent = jnp.zeros(out.shape, out.dtype)
             if x_live:

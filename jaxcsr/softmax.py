@@ -38,7 +38,7 @@ back at the end. A row whose scores are all ``-inf`` gives NaN, as ``jax.nn.soft
 
 The forward and the tangent are primitives (:data:`softmax_p`,
 :data:`softmax_tangent_p`) lowered per platform: where the backend that runs the
-pattern's products has a fused softmax (:attr:`jaxcsr.kernels.Backend.softmax`: the
+pattern's products has a fused softmax (:attr:`jaxcsr.kernels.Capabilities.softmax`: the
 native CPU backend: one pass per row, always max-shifted, for patterns sorted by row
 -- ``edge_softmax``'s, sorted segment ids --; pushes in input order for unsorted
 segment ids, with the fast path's bounds above) it runs that; everywhere else the
@@ -304,10 +304,11 @@ def _lowered(arrays, leaves, *, index_tree, impl, platform: str, composed) -> ja
     pattern = _pattern(leaves, index_tree)
     dtype = arrays[0].dtype
     backend = backend_for(impl, platform, pattern.index, dtype, None, None)
-    if backend.softmax is None or backend.platform != platform:
+    fused = backend.capabilities.softmax
+    if fused is None or backend.platform != platform:
         return composed(*arrays, pattern, impl)
     tangent = arrays[1] if len(arrays) == 2 else None
-    return backend.softmax(
+    return fused(
         arrays[0], tangent, pattern.structure, out_dtype=dtype,
         fallback=lambda: composed(*arrays, pattern, impl),
     )  # fmt: skip

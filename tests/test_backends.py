@@ -38,8 +38,8 @@ def test_registry_and_defaults():
     assert kernels.default_backends("tpu") == ("xla", "pallas_tpu")
     assert kernels.resolve_backends(None) == tuple(sorted(kernels.default_backends()))
     assert kernels.resolve_backends("pallas_gpu") == ("pallas_gpu", "xla")  # xla always
-    assert not kernels.BACKENDS["pallas_gpu"].supports(np.float32, np.int32)
-    assert kernels.BACKENDS["xla"].supports(np.int8, np.float64)
+    assert not kernels.BACKENDS["pallas_gpu"].coverage.supports(np.float32, np.int32)
+    assert kernels.BACKENDS["xla"].coverage.supports(np.int8, np.float64)
 
 
 def test_default_matrix_plans_only_the_default_backend(rng):
@@ -245,11 +245,10 @@ def toy_backend():
     backend = kernels.Backend(
         "toy",
         None,
-        (np.dtype(np.float32),),
         toy_plan,
         toy_product,
         toy_describe,
-        covers=lambda view: not view.transposed,
+        kernels.Coverage((np.dtype(np.float32),), covers=lambda view: not view.transposed),
     )
     kernels.register(backend)
     yield calls
@@ -300,9 +299,10 @@ def test_a_backend_registered_later_works_end_to_end(rng, toy_backend):
 
 
 def test_a_backend_with_host_plans_only_is_left_out_of_traced_ids(rng, toy_backend):
-    """A registered backend whose plan takes host structures only (``plans_traced``
-    False): matrices of traced ids that ask for it raise, naming it, before any
-    device work; the row pattern of a softmax over its matrix leaves it out."""
+    """A registered backend whose plan takes host structures only
+    (``Capabilities.plans_traced`` False): matrices of traced ids that ask for it
+    raise, naming it, before any device work; the row pattern of a softmax over its
+    matrix leaves it out."""
     ids = power_law_ids(rng, 30, 5).astype(np.int32)
 
     def build(i):

@@ -1,9 +1,13 @@
 """The backend registry: the one way from the primitive to a kernel.
 
 Every backend -- the XLA path included -- is a :class:`Backend` entry in
-:data:`BACKENDS` with the same contract: a host ``plan`` (what it reads beyond the
-portable core, :class:`~jaxcsr.structure.Structure`), a ``product``, a ``describe``
-(what :meth:`jaxcsr.CSRMatrix.plan_info` prints) and ``covers`` (the views it runs).
+:data:`BACKENDS` with the same contract: a ``plan`` (what it reads beyond the portable
+core, :class:`~jaxcsr.structure.Structure`), a ``product`` and a ``describe`` (what
+:meth:`jaxcsr.CSRMatrix.plan_info` prints), plus three small records: its
+:class:`Coverage` (the dtypes and views it runs, and where ``impl=None`` picks it), its
+:class:`Capabilities` beyond the product (sampled product, arg search, fused softmax,
+layouts it reads, planning traced ids) and its :class:`Requirement` (what this
+installation must have).
 The primitive (:mod:`jaxcsr.ops`) only ever calls entries of this registry, and no
 module outside ``jaxcsr/kernels/`` imports a backend module. Adding a backend means
 one module and one :func:`register` call (here, or from user code: the set of valid
@@ -38,9 +42,12 @@ __all__ = [
     "IMPLS",
     "ArgSearch",
     "Backend",
+    "Capabilities",
+    "Coverage",
     "ExtremeSearchFn",
     "ProductFn",
     "PutAttainingFn",
+    "Requirement",
     "SddmmFn",
     "SoftmaxFn",
     "default_backends",
@@ -116,29 +123,35 @@ class ArgSearch:
 
 
 @dataclasses.dataclass(frozen=True)
-class Backend:
-    """One way to compute the product.
+class Coverage:
+    """Which products a backend runs; the rest run on the fallback.
 
     Attributes:
-      name: what ``backends=`` and ``impl=`` call it.
-      platform: the JAX platform whose default it is (``None``: none, the fallback).
       dtypes: value/operand dtypes it takes (``None``: every numeric dtype).
-      plan: ``Structure -> plan pytree or None``: for host structures (numpy leaves,
-        planned once) and, with :attr:`plans_traced`, device ones too (traced ids,
-        planned inside the trace), with equal results element for element.
-      product: ``(x, data, view, plan, *, reduce, out_dtype, interpret, platform) ->
-        (m, F)`` in ``out_dtype``, empty rows zero for every reduction (``"sum"``,
-        ``"max"``, ``"min"``). Called with non-empty operands only (entries and
-        features > 0) and views it :attr:`covers`.
-      describe: ``(view, n_features or None) -> {label: what runs}`` for
-        :meth:`~jaxcsr.CSRMatrix.plan_info` (host-side; may read the view back).
-      covers: ``view -> bool``: whether it runs that view (else the fallback does).
-      available: whether this jax can run it (a Pallas backend may be missing).
+      covers: ``view -> bool``: whether it runs that view.
       default_for: ``(view, dtype, reduce) -> bool``: whether ``impl=None`` runs it on
         a view it covers, for a product in ``dtype`` (the operands' promoted dtype) with
         ``reduce`` (``"sum"``, ``"max"``, ``"min"``; ``None``: the fused softmax), else
         the fallback does (an explicit ``impl=`` still runs it): the rule for where the
         fallback measured faster on the backend's platform.
+    """
+
+    dtypes: tuple[np.dtype, ...] | None = None
+    covers: Callable[[Structure], bool] = lambda view: True
+    default_for: Callable[[Structure, np.dtype, str | None], bool] = lambda *_: True
+
+    def supports(self, *dtypes) -> bool:
+        """Whether every non-``None`` dtype is one of :attr:`dtypes`."""
+        if self.dtypes is None:
+            return True
+        return all(d is None or np.dtype(d) in self.dtypes for d in dtypes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Capabilities:
+    """What a backend does beyond its product; each is optional.
+
+    Attributes:
       sddmm: ``(ct, x, view, *, out_dtype) -> (nnz,)``, the sampled product (the
         fallback's is used for every backend; ``None``: none of its own).
       arg_search: an :class:`ArgSearch`, run on this backend's platform (chosen when
@@ -150,10 +163,6 @@ class Backend:
         the softmax's tangent from its output ``x = p``, ``p * g - p * rowsum(p *
         g)[row]``; calls ``fallback()`` (the XLA composition) for what it does not
         take. ``None``: the composition runs, on this backend's products.
-      plans_traced: whether ``plan`` also takes device structures (one function over
-        numpy and ``jax.numpy``, :func:`~jaxcsr.structure.array_namespace`); without,
-        matrices of traced ids leave the backend out and run on the fallback.
-      missing: what is missing when :attr:`available` is False (for the messages).
       feature_major: whether ``product`` takes ``feature_major=True``: ``x`` as ``(F, n)``
         and the result as ``(F, m)`` (the layout of ``values @ A.T``), without
         transposes. Without it the primitive transposes around the row-major product.
@@ -163,31 +172,74 @@ class Backend:
         as the backward pass has them) and reads them through the planned permutation.
         Where it says no (``None``: never), the primitive permutes the values first
         (one gather of ``nnz`` values per product).
+      plans_traced: whether ``plan`` also takes device structures (one function over
+        numpy and ``jax.numpy``, :func:`~jaxcsr.structure.array_namespace`); without,
+        matrices of traced ids leave the backend out and run on the fallback.
     """
 
-    name: str
-    platform: str | None
-    dtypes: tuple[np.dtype, ...] | None
-    plan: Callable[[Structure], Any]
-    product: ProductFn
-    describe: Callable[[Structure, int | None], dict[str, str]]
-    covers: Callable[[Structure], bool] = lambda view: True
-    available: Callable[[], bool] = lambda: True
-    default_for: Callable[[Structure, np.dtype, str | None], bool] = lambda *_: True
     sddmm: SddmmFn | None = None
     arg_search: ArgSearch | None = None
     softmax: SoftmaxFn | None = None
     feature_major: bool = False
     transposed_data: Callable[..., bool] | None = None
     plans_traced: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Requirement:
+    """What a backend needs of this installation.
+
+    Attributes:
+      available: whether this jax (and build) can run it (a Pallas backend may be
+        missing, the CPU library may not be compiled).
+      missing: what is missing when :attr:`available` is False (for the messages).
+    """
+
+    available: Callable[[], bool] = lambda: True
     missing: str = "the Pallas backend this kernel is written in"
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One way to compute the product: a core of five, and what it covers, can do
+    beyond the product and needs.
+
+    Attributes:
+      name: what ``backends=`` and ``impl=`` call it.
+      platform: the JAX platform whose default it is (``None``: none, the fallback).
+      plan: ``Structure -> plan pytree or None``: for host structures (numpy leaves,
+        planned once) and, with :attr:`Capabilities.plans_traced`, device ones too
+        (traced ids, planned inside the trace), with equal results element for element.
+      product: ``(x, data, view, plan, *, reduce, out_dtype, interpret, platform) ->
+        (m, F)`` in ``out_dtype``, empty rows zero for every reduction (``"sum"``,
+        ``"max"``, ``"min"``). Called with non-empty operands only (entries and
+        features > 0) and views its :class:`Coverage` covers.
+      describe: ``(view, n_features or None) -> {label: what runs}`` for
+        :meth:`~jaxcsr.CSRMatrix.plan_info` (host-side; may read the view back).
+      coverage: which products it runs (:class:`Coverage`).
+      capabilities: what it does beyond the product (:class:`Capabilities`).
+      requirement: what it needs of this installation (:class:`Requirement`).
+    """
+
+    name: str
+    platform: str | None
+    plan: Callable[[Structure], Any]
+    product: ProductFn
+    describe: Callable[[Structure, int | None], dict[str, str]]
+    coverage: Coverage = Coverage()
+    capabilities: Capabilities = Capabilities()
+    requirement: Requirement = Requirement()
+
+    def available(self) -> bool:
+        """Whether this installation can run it (:class:`Requirement`)."""
+        return self.requirement.available()
 
     def require_available(self) -> None:
         """Raises a ``RuntimeError`` naming the jax version if this jax cannot run it."""
         if not self.available():
             raise RuntimeError(
                 f"impl={self.name!r} cannot run (jax {jax.__version__}): missing "
-                f"{self.missing}; use impl=None (falls back to {FALLBACK}) or "
+                f"{self.requirement.missing}; use impl=None (falls back to {FALLBACK}) or "
                 f"impl={FALLBACK!r}"
             )
 
@@ -197,17 +249,11 @@ class Backend:
             _WARNED.add(self.name)
             warnings.warn(
                 f"the {self.name!r} kernel cannot run (jax {jax.__version__}): missing "
-                f"{self.missing}; products on {self.platform!r} run on the fallback, "
-                f"{FALLBACK!r}",
+                f"{self.requirement.missing}; products on {self.platform!r} run on the "
+                f"fallback, {FALLBACK!r}",
                 RuntimeWarning,
                 stacklevel=2,
             )
-
-    def supports(self, *dtypes) -> bool:
-        """Whether every non-``None`` dtype is one this backend takes."""
-        if self.dtypes is None:
-            return True
-        return all(d is None or np.dtype(d) in self.dtypes for d in dtypes)
 
 
 BACKENDS: dict[str, Backend] = {}
@@ -266,18 +312,19 @@ register(
     Backend(
         FALLBACK,
         None,
-        None,
         xla.plan,
         xla.product,
         xla.describe,
-        xla.covers,
-        sddmm=xla.sddmm,
-        plans_traced=True,
-        arg_search=ArgSearch(
-            xla.extreme_positions,
-            xla.extreme_columns,
-            xla.extreme_column_mask,
-            xla.put_attaining,
+        Coverage(covers=xla.covers),
+        Capabilities(
+            sddmm=xla.sddmm,
+            arg_search=ArgSearch(
+                xla.extreme_positions,
+                xla.extreme_columns,
+                xla.extreme_column_mask,
+                xla.put_attaining,
+            ),
+            plans_traced=True,
         ),
     )
 )
@@ -285,47 +332,47 @@ register(
     Backend(
         "pallas_gpu",
         "cuda",
-        KERNEL_DTYPES,
         gpu.plan,
         gpu.product,
         gpu.describe,
-        gpu.covers,
-        gpu.available,
-        default_for=gpu.default_for,
-        plans_traced=True,
+        Coverage(KERNEL_DTYPES, gpu.covers, gpu.default_for),
+        Capabilities(plans_traced=True),
+        Requirement(gpu.available),
     )
 )
 register(
     Backend(
         "pallas_tpu",
         "tpu",
-        KERNEL_DTYPES,
         tpu.plan,
         tpu.product,
         tpu.describe,
-        tpu.covers,
-        default_for=tpu.default_for,
-        plans_traced=True,
+        Coverage(KERNEL_DTYPES, tpu.covers, tpu.default_for),
+        Capabilities(plans_traced=True),
     )
 )
 register(
     Backend(
         "cpu",
         "cpu",
-        KERNEL_DTYPES,
         cpu.plan,
         cpu.product,
         cpu.describe,
-        available=cpu.available,
-        sddmm=cpu.sddmm,
-        plans_traced=True,
-        arg_search=ArgSearch(
-            cpu.arg_positions, cpu.arg_columns, xla.extreme_column_mask, cpu.put_attaining
+        Coverage(KERNEL_DTYPES),
+        Capabilities(
+            sddmm=cpu.sddmm,
+            arg_search=ArgSearch(
+                cpu.arg_positions, cpu.arg_columns, xla.extreme_column_mask, cpu.put_attaining
+            ),
+            softmax=cpu.softmax,
+            feature_major=True,
+            transposed_data=cpu.reads_transposed_data,
+            plans_traced=True,
         ),
-        softmax=cpu.softmax,
-        feature_major=True,
-        transposed_data=cpu.reads_transposed_data,
-        missing="jaxcsr's compiled CPU library (built by pip install with a C++17 compiler)",
+        Requirement(
+            cpu.available,
+            "jaxcsr's compiled CPU library (built by pip install with a C++17 compiler)",
+        ),
     )
 )
 

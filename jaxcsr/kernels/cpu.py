@@ -385,7 +385,7 @@ def runs(view: Structure, x_dtype, data_dtype, out_dtype) -> bool:
 
 
 def reads_transposed_data(view: Structure, platform, x_dtype, data_dtype, out_dtype) -> bool:
-    """Backend entry (``Backend.transposed_data``): the native pull of a planned
+    """Backend entry (``Capabilities.transposed_data``): the native pull of a planned
     transpose reads values given in the planned orientation's order through ``t_perm``
     (each chunk of rows puts its own values in order first)."""
     return platform == "cpu" and view.transposed and runs(view, x_dtype, data_dtype, out_dtype)

@@ -465,7 +465,7 @@ def covers(view: Structure) -> bool:
 
 
 def default_for(view: Structure, dtype: Any = None, reduce: str | None = "sum") -> bool:
-    """Backend entry (``Backend.default_for``): whether ``impl=None`` runs the kernel on
+    """Backend entry (``Coverage.default_for``): whether ``impl=None`` runs the kernel on
     a view it covers. Not for float32 sums over unsorted segment ids: on an H200 the
     XLA path was faster in 11 of the 15 such cells measured (five graphs, N = 16, 64,
     256; kernel time / XLA path's 0.57-1.59, geometric mean 0.91), while in 16-bit

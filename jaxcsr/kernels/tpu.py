@@ -775,7 +775,7 @@ costs, measured on tolokers, musae_github and twitter_ego at N = 16 and 128:
 
 
 def default_for(view: Structure, dtype: Any = None, reduce: str | None = "sum") -> bool:
-    """Backend entry (``Backend.default_for``): whether ``impl=None`` runs the kernel on
+    """Backend entry (``Coverage.default_for``): whether ``impl=None`` runs the kernel on
     a view it covers, whatever the dtype and reduction. Segment ids planned on the
     device (traced) run XLA's scatter when unsorted -- a sort and gather per call cost
     more on a TPU than XLA's scatter on ids that arrive grouped by segment
