@@ -346,8 +346,8 @@ def check_compiles_per_structure(mesh):
             np.testing.assert_allclose(loss, 0.5 * np.sum((dense @ x) ** 2), rtol=1e-4)
             want = dense.T @ (dense @ x)  # sums of up to ~1e4 terms: float32 rounding
             np.testing.assert_allclose(g, want, rtol=0, atol=1e-4 * np.abs(want).max())
-            plans["segment"].add(S._plan)
-            plans["spmm"].add(SB._plan)
+            plans["segment"].add(S._spec)
+            plans["spmm"].add(SB._spec)
             largest.add((max(S.block_nnz), max(np.diff(S.row_starts))))
         print(
             f"{'balanced' if balanced else 'skewed'} structures: traces {traces} for "

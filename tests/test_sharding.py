@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from benchmarks.datasets import load_graph
-from jaxcsr.row_blocks import balanced_row_blocks, plan_blocks
+from jaxcsr.sharding.row_blocks import balanced_row_blocks, plan_blocks
 
 CHECKS = Path(__file__).with_name("sharding_checks.py")
 

@@ -55,7 +55,7 @@ def main(argv=None) -> dict:
     import jaxcsr
     from benchmarks import measure
     from benchmarks.datasets import load_graph
-    from jaxcsr.row_blocks import balanced_row_blocks
+    from jaxcsr.sharding.row_blocks import balanced_row_blocks
 
     names = [*GRAPHS, *([str(LAW)] if LAW.exists() else [])]
     graphs = [load_graph(n) for n in names]

@@ -3,8 +3,9 @@
 
 A synthetic power-law graph (default: 1e9 edges into 5e7 nodes, Pareto in-degrees with
 one hub) is never allocated: only its row pointer is, and
-:func:`jaxcsr.row_blocks.block_sizes` (the sizes of :func:`jaxcsr.plan_blocks`) cuts it
-for P devices. Per device, for one product with F float32 features:
+:func:`jaxcsr.sharding.row_blocks.block_sizes` (the sizes of
+:func:`~jaxcsr.sharding.row_blocks.plan_blocks`) cuts it for P devices. Per device,
+for one product with F float32 features:
 
 * structure: the block's XLA-path arrays (``from_indices`` form: ``indices`` and
   ``row_of_col``, 4 B per entry slot each, and ``indptr``, 4 B per row slot);
@@ -35,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks import report
-from jaxcsr.row_blocks import block_sizes, relayout_rows, rows_per_part
+from jaxcsr.sharding.row_blocks import block_sizes, relayout_rows, rows_per_part
 
 
 def power_law_indptr(edges: int, nodes: int, seed: int) -> np.ndarray:
