@@ -1,7 +1,11 @@
-"""The ``csr_matmul`` primitive: ``A @ X`` with every transformation rule in one place.
+"""The ``csr_matmul`` primitive, ``A @ X``, and the ``sddmm`` primitive, each with all
+its transformation rules, one after the other.
 
-Reading order (as in ``jax.experimental.sparse``): primitive -> binding -> impl ->
-abstract eval -> JVP -> transpose -> batching -> lowerings. The public function is
+They live together because each is the other's transpose: the product's values'
+gradient is the sampled product, and the sampled product transposes into two products.
+Reading order for each (as in ``jax.experimental.sparse``): primitive -> binding ->
+impl -> abstract eval -> JVP -> transpose -> batching -> lowerings; the sampled
+product's section is the last in the file. The public function is
 :func:`jaxcsr.matmul` (in :mod:`jaxcsr.matrix`); this module knows nothing of
 ``CSRMatrix``: it takes an :class:`Index`, the matrix's planned structure, and runs
 whatever backend the registry (:mod:`jaxcsr.kernels`) names -- it never branches on
@@ -293,103 +297,6 @@ def _divide_by_degree(
     return (total / degree).astype(dtype)
 
 
-def sampler_for(platform: str, index: Index, *dtypes) -> Any:
-    """The ``sddmm`` that runs on ``platform``: its kernel's own, when the matrix carries
-    that kernel's plan, the kernel is available and takes these dtypes; else the
-    fallback's."""
-    name = kernels.platform_kernel(platform)
-    backend = None if name is None else kernels.BACKENDS[name]
-    if (
-        backend is not None
-        and backend.capabilities.sddmm is not None
-        and name in index.plans
-        and backend.available()
-        and backend.coverage.supports(*dtypes)
-    ):
-        return backend.capabilities.sddmm
-    return kernels.fallback().capabilities.sddmm
-
-
-# ----------------------------------------------------------------------- sddmm
-sddmm_p = Primitive("sddmm")
-"""``(nnz, H)`` = ``x (m, H, F)`` and ``y (n, H, F)`` sampled at the index's stored
-entries: ``sum_f x[row_k, h, f] * y[col_k, h, f]``. Its JVP and batching live here,
-its transpose (the planned products, built from a :class:`~jaxcsr.CSRMatrix`) in
-:mod:`jaxcsr.sddmm`."""
-
-
-def sample(x: jax.Array, y: jax.Array, index: Index, *, out_dtype) -> jax.Array:
-    """:data:`sddmm_p` of ``x (m, H, F)``, ``y (n, H, F)`` at ``index``: ``(nnz, H)``."""
-    leaves, index_tree = jax.tree_util.tree_flatten(index)
-    return sddmm_p.bind(x, y, *leaves, index_tree=index_tree, out_dtype=jnp.dtype(out_dtype))
-
-
-@sddmm_p.def_abstract_eval
-def _sddmm_abstract_eval(x, y, *leaves, index_tree, out_dtype):
-    nnz = jax.tree_util.tree_unflatten(index_tree, leaves).structure.nnz
-    return ShapedArray((nnz, x.shape[1]), out_dtype)
-
-
-def _sddmm_lowered(x, y, *leaves, index_tree, out_dtype, platform: str) -> jax.Array:
-    """What runs on one platform: the per-head sampled products of :func:`sampler_for`."""
-    index = jax.tree_util.tree_unflatten(index_tree, leaves)
-    structure = index.structure
-    if _is_empty(structure, x.shape[2]):
-        return jnp.zeros((structure.nnz, x.shape[1]), out_dtype)
-    sampler = sampler_for(platform, index, x.dtype, y.dtype)
-
-    def per_head(a, b):
-        return sampler(a, b, structure, out_dtype=out_dtype)
-
-    return jax.vmap(per_head, in_axes=(1, 1), out_axes=1)(x, y)
-
-
-def _sddmm_jvp(primals, tangents, *, index_tree, out_dtype):
-    x, y, *leaves = primals
-    dx, dy, *_ = tangents
-    params = {"index_tree": index_tree, "out_dtype": out_dtype}
-    out = sddmm_p.bind(x, y, *leaves, **params)
-    parts = []
-    if type(dx) is not ad.Zero:
-        parts.append(sddmm_p.bind(dx, y, *leaves, **params))
-    if type(dy) is not ad.Zero:
-        parts.append(sddmm_p.bind(x, dy, *leaves, **params))
-    if not parts:
-        return out, ad.Zero.from_primal_value(out)
-    return out, parts[0] if len(parts) == 1 else parts[0] + parts[1]
-
-
-ad.primitive_jvps[sddmm_p] = _sddmm_jvp
-
-
-def _sddmm_batch(args, dims, *, index_tree, out_dtype):
-    """The batch joins the heads axis: ``(m, B, H, F) -> (m, B * H, F)``."""
-    x, y, *leaves = args
-    x_bd, y_bd, *leaf_bds = dims
-    if any(bd is not None for bd in leaf_bds):  # one structure per batch element
-
-        def bind(*operands):
-            return sddmm_p.bind(*operands, index_tree=index_tree, out_dtype=out_dtype)
-
-        return map_over_batch(bind, args, dims), 0
-    size = x.shape[x_bd] if x_bd is not None else y.shape[y_bd]
-
-    def fold(v, bd):  # (m, H, F) batched at bd -> (m, size * H, F)
-        if bd is None:
-            v = jnp.broadcast_to(v[:, None], (v.shape[0], size, *v.shape[1:]))
-        else:
-            v = jnp.moveaxis(v, bd, 1)
-        return v.reshape(v.shape[0], size * v.shape[2], v.shape[3])
-
-    out = sddmm_p.bind(
-        fold(x, x_bd), fold(y, y_bd), *leaves, index_tree=index_tree, out_dtype=out_dtype
-    )
-    return out.reshape(out.shape[0], size, -1), 1
-
-
-batching.primitive_batchers[sddmm_p] = _sddmm_batch
-
-
 # ---------------------------------------------------------------- impl / eval
 def backend_for(
     impl: str | None, platform: str, index: Index, x_dtype, data_dtype, reduce: str | None
@@ -477,7 +384,6 @@ def _lowered_impl(
 
 
 def_jitted_impl(csr_matmul_p)
-def_jitted_impl(sddmm_p)
 
 
 @csr_matmul_p.def_abstract_eval
@@ -704,10 +610,147 @@ batching.primitive_batchers[csr_matmul_p] = _batch
 PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 """JAX platforms the primitive lowers for (one lowering each, told its platform)."""
 
-for _platform in PLATFORMS:
-    for _primitive, _lowered in ((csr_matmul_p, _lowered_impl), (sddmm_p, _sddmm_lowered)):
+
+def _register_lowerings(primitive: Primitive, lowered: Any) -> None:
+    """One lowering of ``primitive`` per platform in :data:`PLATFORMS`, told its platform."""
+    for platform in PLATFORMS:
         mlir.register_lowering(
-            _primitive,
-            mlir.lower_fun(functools.partial(_lowered, platform=_platform), multiple_results=False),
-            platform=_platform,
+            primitive,
+            mlir.lower_fun(functools.partial(lowered, platform=platform), multiple_results=False),
+            platform=platform,
         )
+
+
+_register_lowerings(csr_matmul_p, _lowered_impl)
+
+
+# ----------------------------------------------------------------------- sddmm
+sddmm_p = Primitive("sddmm")
+"""``(nnz, H)`` = ``x (m, H, F)`` and ``y (n, H, F)`` sampled at the index's stored
+entries: ``sum_f x[row_k, h, f] * y[col_k, h, f]`` (the values' gradient of
+:data:`csr_matmul_p`; public as :func:`jaxcsr.sddmm`). Bilinear in ``(x, y)``: its JVP
+binds it on the tangents, its transpose is two planned products, ``dx = A_h @ y`` and
+``dy = A_h.T @ x`` with ``A_h`` the pattern holding ``ct[:, h]``; ``vmap`` folds the
+batch into the heads axis."""
+
+
+def sample(x: jax.Array, y: jax.Array, index: Index, *, out_dtype) -> jax.Array:
+    """:data:`sddmm_p` of ``x (m, H, F)``, ``y (n, H, F)`` at ``index``: ``(nnz, H)``."""
+    leaves, index_tree = jax.tree_util.tree_flatten(index)
+    return sddmm_p.bind(x, y, *leaves, index_tree=index_tree, out_dtype=jnp.dtype(out_dtype))
+
+
+@sddmm_p.def_abstract_eval
+def _sddmm_abstract_eval(x, y, *leaves, index_tree, out_dtype):
+    nnz = jax.tree_util.tree_unflatten(index_tree, leaves).structure.nnz
+    return ShapedArray((nnz, x.shape[1]), out_dtype)
+
+
+def sampler_for(platform: str, index: Index, *dtypes) -> Any:
+    """The ``sddmm`` that runs on ``platform``: its kernel's own, when the matrix carries
+    that kernel's plan, the kernel is available and takes these dtypes; else the
+    fallback's."""
+    name = kernels.platform_kernel(platform)
+    backend = None if name is None else kernels.BACKENDS[name]
+    if (
+        backend is not None
+        and backend.capabilities.sddmm is not None
+        and name in index.plans
+        and backend.available()
+        and backend.coverage.supports(*dtypes)
+    ):
+        return backend.capabilities.sddmm
+    return kernels.fallback().capabilities.sddmm
+
+
+def _sddmm_lowered(x, y, *leaves, index_tree, out_dtype, platform: str) -> jax.Array:
+    """What runs on one platform: the per-head sampled products of :func:`sampler_for`."""
+    index = jax.tree_util.tree_unflatten(index_tree, leaves)
+    structure = index.structure
+    if _is_empty(structure, x.shape[2]):
+        return jnp.zeros((structure.nnz, x.shape[1]), out_dtype)
+    sampler = sampler_for(platform, index, x.dtype, y.dtype)
+
+    def per_head(a, b):
+        return sampler(a, b, structure, out_dtype=out_dtype)
+
+    return jax.vmap(per_head, in_axes=(1, 1), out_axes=1)(x, y)
+
+
+def _sddmm_jvp(primals, tangents, *, index_tree, out_dtype):
+    x, y, *leaves = primals
+    dx, dy, *_ = tangents
+    params = {"index_tree": index_tree, "out_dtype": out_dtype}
+    out = sddmm_p.bind(x, y, *leaves, **params)
+    parts = []
+    if type(dx) is not ad.Zero:
+        parts.append(sddmm_p.bind(dx, y, *leaves, **params))
+    if type(dy) is not ad.Zero:
+        parts.append(sddmm_p.bind(x, dy, *leaves, **params))
+    if not parts:
+        return out, ad.Zero.from_primal_value(out)
+    return out, parts[0] if len(parts) == 1 else parts[0] + parts[1]
+
+
+ad.primitive_jvps[sddmm_p] = _sddmm_jvp
+
+
+def _sddmm_batch(args, dims, *, index_tree, out_dtype):
+    """The batch joins the heads axis: ``(m, B, H, F) -> (m, B * H, F)``."""
+    x, y, *leaves = args
+    x_bd, y_bd, *leaf_bds = dims
+    if any(bd is not None for bd in leaf_bds):  # one structure per batch element
+
+        def bind(*operands):
+            return sddmm_p.bind(*operands, index_tree=index_tree, out_dtype=out_dtype)
+
+        return map_over_batch(bind, args, dims), 0
+    size = x.shape[x_bd] if x_bd is not None else y.shape[y_bd]
+
+    def fold(v, bd):  # (m, H, F) batched at bd -> (m, size * H, F)
+        if bd is None:
+            v = jnp.broadcast_to(v[:, None], (v.shape[0], size, *v.shape[1:]))
+        else:
+            v = jnp.moveaxis(v, bd, 1)
+        return v.reshape(v.shape[0], size * v.shape[2], v.shape[3])
+
+    out = sddmm_p.bind(
+        fold(x, x_bd), fold(y, y_bd), *leaves, index_tree=index_tree, out_dtype=out_dtype
+    )
+    return out.reshape(out.shape[0], size, -1), 1
+
+
+batching.primitive_batchers[sddmm_p] = _sddmm_batch
+
+
+def _sddmm_transpose(ct, x, y, *leaves, index_tree, out_dtype):
+    """``dx[:, h] = A_h @ y[:, h]`` and ``dy[:, h] = A_h.T @ x[:, h]``, ``A_h`` the
+    pattern holding ``ct[:, h]``: the planned products, one per head."""
+    if any(ad.is_undefined_primal(leaf) for leaf in leaves):
+        raise ValueError("sddmm is not linear in the matrix's index arrays")
+    cts: list[Any] = [None] * (2 + len(leaves))
+    if type(ct) is ad.Zero:
+        return cts
+    index = jax.tree_util.tree_unflatten(index_tree, leaves)
+    view = index.structure
+
+    def products(ct_h, dense_h, transposed):
+        if transposed:  # A_h.T: its values in the transposed view's CSR order
+            return product(
+                dense_h, view.transpose_values(ct_h), index.transpose(),
+                reduce="sum", impl=None, interpret=False,
+            )  # fmt: skip
+        return product(dense_h, ct_h, index, reduce="sum", impl=None, interpret=False)
+
+    if ad.is_undefined_primal(x):
+        dx = jax.vmap(products, in_axes=(1, 1, None), out_axes=1)(ct, y, False)
+        cts[0] = dx.astype(x.aval.dtype)
+    if ad.is_undefined_primal(y):
+        dy = jax.vmap(products, in_axes=(1, 1, None), out_axes=1)(ct, x, True)
+        cts[1] = dy.astype(y.aval.dtype)
+    return cts
+
+
+ad.primitive_transposes[sddmm_p] = _sddmm_transpose
+def_jitted_impl(sddmm_p)
+_register_lowerings(sddmm_p, _sddmm_lowered)

@@ -4,11 +4,11 @@
 entry ``(i_k, j_k)`` of ``A`` in its CSR order -- the attention scores of graph
 attention, and what ``A.with_data(...)`` takes back. Its transposes are the two
 products jaxcsr already plans: ``dX = A.with_data(g) @ Y`` and ``dY = A.with_data(g).T
-@ X``. It is a primitive, ``sddmm_p`` (:mod:`jaxcsr.ops`, beside the product, whose
-values' gradient it is), bilinear in ``(X, Y)``: its JVP binds it on the tangents,
-and its transpose rule, registered here, is those two planned products, so forward mode,
-reverse mode (the backward runs the platform's product path) and higher orders all
-work. ``vmap`` folds the batch into the heads axis.
+@ X``. It is a primitive, ``sddmm_p``, defined with all its rules in :mod:`jaxcsr.ops`
+beside the product (each is the other's transpose: the product's values' gradient is
+this, and this transposes into two products), so forward mode, reverse mode (the
+backward runs the platform's product path) and higher orders all work. ``vmap`` folds
+the batch into the heads axis.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.interpreters import ad
 
 from jaxcsr.matrix import CSRMatrix
 from jaxcsr.ops import sample, sddmm_p
@@ -73,33 +72,3 @@ def sddmm(A: CSRMatrix, X: Any, Y: Any) -> jax.Array:
 def _bind(x, y, A: CSRMatrix, out_dtype) -> jax.Array:
     """``(nnz, H)`` scores of ``x`` ``(m, H, F)`` and ``y`` ``(n, H, F)`` at ``A``'s entries."""
     return sample(x, y, A.index, out_dtype=out_dtype)
-
-
-def _pattern(leaves, index_tree) -> CSRMatrix:
-    return CSRMatrix(None, jax.tree_util.tree_unflatten(index_tree, leaves))
-
-
-def _transpose(ct, x, y, *leaves, index_tree, out_dtype):
-    """``dX[:, h] = A_h @ Y[:, h]`` and ``dY[:, h] = A_h.T @ X[:, h]`` with ``A_h`` the
-    pattern holding ``ct[:, h]``: the planned products, one per head."""
-    if any(ad.is_undefined_primal(leaf) for leaf in leaves):
-        raise ValueError("sddmm is not linear in the matrix's index arrays")
-    cts = [None] * (2 + len(leaves))
-    if type(ct) is ad.Zero:
-        return cts
-    pattern = _pattern(leaves, index_tree)
-
-    def products(ct_h, dense_h, transposed):
-        weighted = pattern.with_data(ct_h)
-        return (weighted.T if transposed else weighted) @ dense_h
-
-    if ad.is_undefined_primal(x):
-        dx = jax.vmap(products, in_axes=(1, 1, None), out_axes=1)(ct, y, False)
-        cts[0] = dx.astype(x.aval.dtype)
-    if ad.is_undefined_primal(y):
-        dy = jax.vmap(products, in_axes=(1, 1, None), out_axes=1)(ct, x, True)
-        cts[1] = dy.astype(y.aval.dtype)
-    return cts
-
-
-ad.primitive_transposes[sddmm_p] = _transpose
