@@ -97,8 +97,8 @@ def segment_structure(ids: jax.Array, num_rows: int, *, sorted_ids: bool = False
         ordered, indices = jax.lax.sort(
             (keys, jnp.arange(size, dtype=dtype)), num_keys=1, is_stable=True
         )
-    # TPUs scatter about one index per 10 ns, so there the row pointer is searched in
-    # the sorted keys (a sort the kernel needs anyway); elsewhere the scatter-add of
+    # On TPU, whose scatter is slow per index (docs/tpu.md), the row pointer is searched
+    # in the sorted keys (a sort the kernel needs anyway); elsewhere the scatter-add of
     # counts needs no sort, and XLA drops the sort where nothing else reads it
     indptr = jax.lax.platform_dependent(
         keys,

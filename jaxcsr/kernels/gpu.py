@@ -466,11 +466,11 @@ def covers(view: Structure) -> bool:
 
 def default_for(view: Structure, dtype: Any = None, reduce: str | None = "sum") -> bool:
     """Backend entry (``Coverage.default_for``): whether ``impl=None`` runs the kernel on
-    a view it covers. Not for float32 sums over unsorted segment ids: on an H200 the
-    XLA path was faster in 11 of the 15 such cells measured (five graphs, N = 16, 64,
-    256; kernel time / XLA path's 0.57-1.59, geometric mean 0.91), while in 16-bit
-    dtypes, for max/min and for general matrices the kernel was faster in most cells
-    (``benchmarks/results/gpu-h200/README.md``). The rule holds until a GPU measures again."""
+    a view it covers. Not for float32 sums over unsorted segment ids, where the XLA path
+    was faster in most cells measured on an H200; 16-bit dtypes, max/min and general
+    matrices keep the kernel, faster there in most cells (the evidence:
+    ``benchmarks/results/gpu-h200/README.md``). The rule holds until a GPU measures
+    again."""
     return not (
         reduce == "sum"
         and view.one_per_column
