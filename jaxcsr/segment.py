@@ -435,7 +435,7 @@ def _scattered_extreme_jvp(num_segments, sorted_ids, reduce, primals, tangents):
     out = _scatter_extreme(x, ids, num_segments, sorted_ids, reduce)
     first = _first_attaining(x, ids, out, sorted_ids)
     rows = jnp.where((ids >= 0) & (ids < num_segments), ids, num_segments)
-    put = kernels.fallback().arg_search.put_attaining
+    put = kernels.fallback().capabilities.arg_search.put_attaining
     return out, take_attaining(tangents[0], first, rows, put=put)
 
 
