@@ -16,7 +16,7 @@ import scipy.sparse as sp
 from jaxcsr import device_plan, kernels, ops, plan
 from jaxcsr.kernels import IMPLS
 from jaxcsr.ops import EXTREMES, REDUCTIONS, Index
-from jaxcsr.structure import Structure
+from jaxcsr.structure import Structure, array_namespace
 from jaxcsr.validation import (
     as_numeric,
     check_coo,
@@ -203,18 +203,18 @@ class CSRMatrix(SparseOperand):
         *,
         data_order: Any | None = None,
         input_order_is_columns: bool = False,
-        on_device: bool = False,
     ) -> CSRMatrix:
         """Plans the requested backends on ``structure`` and moves all to the device.
 
         A host structure (numpy leaves) gets the backends' plans on the host and is
-        kept as :attr:`host_structure`; one planned on the device (``on_device``: traced
-        ids) gets the same plans computed in the trace and no host structure. ``data``
+        kept as :attr:`host_structure`; one planned on the device (traced ids: device
+        leaves) gets the same plans computed in the trace and no host structure. ``data``
         comes in input order and is stored as ``data[data_order]`` (``data_order``
         defaults to ``input_order``, the stored map).
         """
         if data is not None:  # checked before any planning or device work
             data = _check_values(data, structure.nnz, "data")
+        on_device = array_namespace(structure.indptr) is not np
         if on_device:
             index, order = Index.planned(structure, backends), input_order
         else:
@@ -307,7 +307,6 @@ class CSRMatrix(SparseOperand):
                 backends,
                 data_order=structure.indices,
                 input_order_is_columns=True,
-                on_device=True,
             )
         idx, num_rows = check_segment_ids(idx, num_rows)
         return cls._from_checked_ids(idx, num_rows, data, backends)
@@ -360,7 +359,7 @@ class CSRMatrix(SparseOperand):
                     f"row and col must have the same length, got {row.size} and {col.size}"
                 )
             structure, device_order = device_plan.coo_structure(row, col, shape)
-            return cls._planned(structure, data, backends, device_order, on_device=True)
+            return cls._planned(structure, data, backends, device_order)
         row, col = check_coo(row, col, shape)
         return cls._from_checked_coo(row, col, shape, data, backends)
 
