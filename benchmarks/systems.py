@@ -397,7 +397,7 @@ def _softmax_cases(case, graph, operands, edges: _Edges, ct_e, dtype, use_torch)
 
     jaxcsr's ``segment_softmax`` takes host segment ids (its signature): its planned
     matrix is a constant of the jitted function, whose products keep their indices
-    constant anyway (see ``jaxcsr.ops.opaque``)."""
+    constant anyway (see ``jaxcsr.ops.behind_barrier``)."""
     V, E = graph.num_nodes, graph.num_edges
     N = edges.values.shape[1]
     ids = graph.dst

@@ -63,8 +63,8 @@ __all__ = [
     "Index",
     "arg_search",
     "backend_for",
+    "behind_barrier",
     "csr_matmul_p",
-    "opaque",
     "product",
     "reduce_rows",
     "sample",
@@ -168,7 +168,7 @@ def product(
     )
 
 
-def opaque(index: Index) -> Index:
+def behind_barrier(index: Index) -> Index:
     """``index`` behind an optimization barrier.
 
     A matrix closed over by a jitted function makes its index arrays XLA constants.
@@ -243,7 +243,7 @@ def reduce_rows(
     x, data, found = jax.lax.stop_gradient((x, data, out))
     if _is_empty(s, x.shape[1]):
         return out, jnp.full(out.shape, s.shape[1], jnp.int32)
-    return out, arg_search("columns", x, data, opaque(index), found, impl)
+    return out, arg_search("columns", x, data, behind_barrier(index), found, impl)
 
 
 def arg_search(kind: str, x, data, index: Index, out, impl: str | None) -> jax.Array:
@@ -549,7 +549,7 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
     if data is not None and ad.is_undefined_primal(data):  # the sampled product
         ct_rows, x_rows = (ct.T, x.T) if params["feature_major"] else (ct, x)
         sampled = sample(
-            ct_rows[:, None], x_rows[:, None], opaque(index), out_dtype=data.aval.dtype
+            ct_rows[:, None], x_rows[:, None], behind_barrier(index), out_dtype=data.aval.dtype
         )[:, 0]
         cts[1] = s.transpose_values(sampled) if flipped else sampled
     return cts
