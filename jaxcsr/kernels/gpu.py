@@ -275,7 +275,8 @@ def _distinct_fraction(rows: np.ndarray, indptr: np.ndarray, indices) -> float:
     positions = np.arange(total) - first + np.repeat(indptr[:-1][rows].astype(np.int64), lengths)
     window = np.repeat(np.arange(rows.size, dtype=np.int64) // GROUP, lengths)
     keys = window * (int(np.max(indices, initial=0)) + 1) + np.asarray(indices)[positions]
-    return float(np.unique(keys).size / total)
+    keys.sort()  # distinct keys by a sort (numpy 2's hashing np.unique is slower here)
+    return float((1 + np.count_nonzero(keys[1:] != keys[:-1])) / total)
 
 
 @dataclasses.dataclass(frozen=True)
