@@ -341,15 +341,15 @@ def _push_threads_agree(rng, A, dtype, widths, inputs=None):
 
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_narrow_pull_and_one_feature_push_on_any_thread_count(rng, dtype):
-    """Unsorted ids in one piece at 1 (the push), 3, 6 and 11 features (the pull's
+    """Unsorted ids in one piece at 1 (the push), 3, 6, 11 and 21 features (the pull's
     fixed-width loops), enough work for every thread: sum, max and min against float64,
     and the same bits on one thread as on all."""
     m, k = 30000, 45000
     ids = power_law_ids(rng, k, m)
     rng.shuffle(ids)
     A = CSRMatrix.from_indices(ids, m)
-    assert [cpu.choose(A.structure, f).kernel for f in (1, 3, 6, 11)] == ["push"] + ["pull"] * 3
-    _push_threads_agree(rng, A, dtype, (3, 6, 11))
+    assert [cpu.choose(A.structure, f).kernel for f in (1, 3, 6, 11, 21)] == ["push"] + ["pull"] * 4
+    _push_threads_agree(rng, A, dtype, (3, 6, 11, 21))
     x = random_values(rng, (k, 1)).astype(dtype)
     with cpu.threads(1):
         one = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu"))(A, x)
@@ -361,16 +361,16 @@ def test_narrow_pull_and_one_feature_push_on_any_thread_count(rng, dtype):
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_narrow_push_in_pieces_matches_float64_on_any_thread_count(rng, dtype, weighted):
-    """Unsorted ids in 4 pieces at 2 to 7 and 9 to 15 features (the push's fixed-width
-    loops), with and without values: sum, max and min against float64, one thread
-    against all."""
+    """Unsorted ids in 4 pieces at 2 to 7, 9 to 15 and 17 to 31 features (the push's
+    fixed-width loops), with and without values: sum, max and min against float64, one
+    thread against all."""
     m, k = 3000, SERIAL_WORK // 2 + 7000
     ids = power_law_ids(rng, k, m)
     rng.shuffle(ids)
     data = random_values(rng, k).astype(dtype) if weighted else None
     A = CSRMatrix.from_indices(ids, m, data=data)
     itemsize = np.dtype(dtype).itemsize
-    widths = (2, 3, 4, 5, 6, 7, 9, 12, 15)
+    widths = (2, 3, 4, 5, 6, 7, 9, 12, 15, 17, 26, 31)
     assert all(cpu.choose(A.structure, f, itemsize).pieces == 4 for f in widths)
     _push_threads_agree(rng, A, dtype, widths)
 

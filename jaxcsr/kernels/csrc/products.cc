@@ -102,10 +102,22 @@ JAXCSR_INLINE void pull_rows_blocks(const int32_t* indptr, const int32_t* cols,
   }
 }
 
-// Rows [lo, hi) of the pull product for F = 2..7 and 9..15 features: the loop of the
-// general case below with the width fixed at compile time, so the feature loop unrolls
-// (a loop over a width known only at run time is the bound at these widths). Same
-// operations in the same order: the same bits.
+// The widths the pull and the push run in loops of a width fixed when compiled: below 32
+// features, all but the multiples of 8 (whole vectors, which have vector bodies). A loop
+// over a width known only at run time is the bound at these widths.
+using FixedWidths = std::integer_sequence<int, 2, 3, 4, 5, 6, 7, 9, 10, 11, 12, 13, 14, 15,
+                                          17, 18, 19, 20, 21, 22, 23, 25, 26, 27, 28, 29, 30, 31>;
+
+// Calls fn(std::integral_constant<int, W>{}) for the W of ``Widths`` that equals f, if
+// one does; returns whether one did.
+template <typename Fn, int... W>
+JAXCSR_INLINE bool at_fixed_width(int64_t f, Fn&& fn, std::integer_sequence<int, W...>) {
+  return ((f == W && (fn(std::integral_constant<int, W>{}), true)) || ...);
+}
+
+// Rows [lo, hi) of the pull product for F features of FixedWidths: the loop of the
+// general case below with the width fixed at compile time, so the feature loop unrolls.
+// Same operations in the same order: the same bits.
 template <typename In, typename Out, typename Op, int F>
 JAXCSR_INLINE void pull_rows_narrow(const int32_t* indptr, const int32_t* cols,
                                     const typename In::Storage* data,
@@ -205,22 +217,10 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
     if (cols && f > 64 && f % 8 == 0)
       return pull_rows_blocks<In, Out, Op>(indptr, cols, data, x, y, f, lo, hi, n, bad);
   }
-  switch (f) {
-    case 2: return pull_rows_narrow<In, Out, Op, 2>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 3: return pull_rows_narrow<In, Out, Op, 3>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 4: return pull_rows_narrow<In, Out, Op, 4>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 5: return pull_rows_narrow<In, Out, Op, 5>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 6: return pull_rows_narrow<In, Out, Op, 6>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 7: return pull_rows_narrow<In, Out, Op, 7>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 9: return pull_rows_narrow<In, Out, Op, 9>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 10: return pull_rows_narrow<In, Out, Op, 10>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 11: return pull_rows_narrow<In, Out, Op, 11>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 12: return pull_rows_narrow<In, Out, Op, 12>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 13: return pull_rows_narrow<In, Out, Op, 13>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 14: return pull_rows_narrow<In, Out, Op, 14>(indptr, cols, data, x, y, lo, hi, n, bad);
-    case 15: return pull_rows_narrow<In, Out, Op, 15>(indptr, cols, data, x, y, lo, hi, n, bad);
-    default: break;
-  }
+  const auto narrow = [&](auto w) {
+    pull_rows_narrow<In, Out, Op, decltype(w)::value>(indptr, cols, data, x, y, lo, hi, n, bad);
+  };
+  if (at_fixed_width(f, narrow, FixedWidths{})) return;
   constexpr int64_t kWidth = 32;
   float local[kWidth];
   float* a = f <= kWidth ? local : acc;
@@ -288,7 +288,7 @@ JAXCSR_INLINE void push_rows_body(const int32_t* ids, const typename In::Storage
   }
 }
 
-// The push body for rows of W = 2..7 or 9..15 features stored back to back (stride W):
+// The push body for rows of W features of FixedWidths stored back to back (stride W):
 // the row's W values combined one by one, W known when compiled (a loop over a width
 // known only at run time cost rows this narrow about what 16 features cost). The same
 // operations per value as push_rows_body.
@@ -327,24 +327,10 @@ struct PushRows {
                                 const typename In::Storage* x, float* acc, int64_t m,
                                 int64_t stride, int64_t width, int64_t k0, int64_t k1) {
     if constexpr (Fill) fill_columns(acc, m, stride, width, Op::init);
-    if (stride == width) {
-      switch (width) {
-        case 2: return push_rows_narrow<In, Op, 2>(ids, data, x, acc, m, k0, k1);
-        case 3: return push_rows_narrow<In, Op, 3>(ids, data, x, acc, m, k0, k1);
-        case 4: return push_rows_narrow<In, Op, 4>(ids, data, x, acc, m, k0, k1);
-        case 5: return push_rows_narrow<In, Op, 5>(ids, data, x, acc, m, k0, k1);
-        case 6: return push_rows_narrow<In, Op, 6>(ids, data, x, acc, m, k0, k1);
-        case 7: return push_rows_narrow<In, Op, 7>(ids, data, x, acc, m, k0, k1);
-        case 9: return push_rows_narrow<In, Op, 9>(ids, data, x, acc, m, k0, k1);
-        case 10: return push_rows_narrow<In, Op, 10>(ids, data, x, acc, m, k0, k1);
-        case 11: return push_rows_narrow<In, Op, 11>(ids, data, x, acc, m, k0, k1);
-        case 12: return push_rows_narrow<In, Op, 12>(ids, data, x, acc, m, k0, k1);
-        case 13: return push_rows_narrow<In, Op, 13>(ids, data, x, acc, m, k0, k1);
-        case 14: return push_rows_narrow<In, Op, 14>(ids, data, x, acc, m, k0, k1);
-        case 15: return push_rows_narrow<In, Op, 15>(ids, data, x, acc, m, k0, k1);
-        default: break;
-      }
-    }
+    const auto narrow = [&](auto w) {
+      push_rows_narrow<In, Op, decltype(w)::value>(ids, data, x, acc, m, k0, k1);
+    };
+    if (stride == width && at_fixed_width(width, narrow, FixedWidths{})) return;
     if constexpr (!std::is_same<In, F16>::value && std::is_same<In, Out>::value) {
       switch (width) {
         case 8: return push_rows_body<In, Out, Op, 1>(ids, data, x, acc, m, stride, 8, k0, k1);
