@@ -71,7 +71,7 @@ class ProductFn(Protocol):
 
 
 class SddmmFn(Protocol):
-    """``Backend.sddmm``: ``ct @ x.T`` at the view's stored entries, ``(nnz,)``."""
+    """``Capabilities.sddmm``: ``ct @ x.T`` at the view's stored entries, ``(nnz,)``."""
 
     def __call__(
         self, ct: jax.Array, x: jax.Array, view: Structure, /, *, out_dtype: Any
@@ -79,7 +79,7 @@ class SddmmFn(Protocol):
 
 
 class SoftmaxFn(Protocol):
-    """``Backend.softmax``: the fused softmax over rows (``g`` None) or its tangent."""
+    """``Capabilities.softmax``: the fused softmax over rows (``g`` None) or its tangent."""
 
     def __call__(
         self, x: jax.Array, g: jax.Array | None, view: Structure, /, *, out_dtype: Any,
