@@ -16,7 +16,7 @@ import scipy.sparse as sp
 from jaxcsr import device_plan, kernels, ops, plan
 from jaxcsr.kernels import IMPLS
 from jaxcsr.ops import EXTREMES, REDUCTIONS, Index
-from jaxcsr.structure import Structure, array_namespace
+from jaxcsr.structure import Structure
 from jaxcsr.validation import (
     as_numeric,
     check_coo,
@@ -214,7 +214,7 @@ class CSRMatrix(SparseOperand):
         """
         if data is not None:  # checked before any planning or device work
             data = _check_values(data, structure.nnz, "data")
-        on_device = array_namespace(structure.indptr) is not np
+        on_device = not structure.on_host
         if on_device:
             index, order = Index.planned(structure, backends), input_order
         else:

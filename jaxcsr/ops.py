@@ -47,14 +47,13 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.extend.core import Primitive
 from jax.interpreters import ad, batching, mlir
 
 from jaxcsr import kernels
 from jaxcsr.dtypes import accumulation_dtype, product_dtype
 from jaxcsr.primitive import ShapedArray, def_jitted_impl, map_over_batch
-from jaxcsr.structure import Structure, array_namespace
+from jaxcsr.structure import Structure
 from jaxcsr.take_attaining import take_attaining
 
 __all__ = [
@@ -100,7 +99,7 @@ class Index:
         whose plan takes host structures only (:attr:`~jaxcsr.kernels.Capabilities.plans_traced`)
         is left out of a device one (its platform runs the fallback) when it is a
         default or ``required`` is False; a requested one raises."""
-        on_device = array_namespace(structure.indptr) is not np
+        on_device = not structure.on_host
         plans = {}
         for name in kernels.resolve_backends(backends):
             backend = kernels.BACKENDS[name]

@@ -122,6 +122,12 @@ class Structure:
         return self.layout.nnz
 
     @property
+    def on_host(self) -> bool:
+        """Whether the leaves are numpy arrays: planned once on the host, not on the
+        device inside a trace (:func:`array_namespace` of them is numpy)."""
+        return array_namespace(self.indptr) is np
+
+    @property
     def one_per_column(self) -> bool:
         """The view stores at most one entry per column: ``A @ X`` is a scatter-add."""
         return self.layout.kind == "columns" and not self.transposed

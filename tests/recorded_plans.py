@@ -17,6 +17,9 @@ from pathlib import Path
 import numpy as np
 
 PATH = Path(__file__).parent / "data" / "recorded_plans.npz"
+LANE_FIELDS = ("row", "start", "end", "num_short", "chunk_start", "chunk_end")
+LANE_FIELDS += ("group_start", "group_end")
+TILE_FIELDS = ("block", "tile", "span")
 SMALL_TILING = (256, 16, 64)
 """``tpu.Tiling(block_k, window, block_m)`` small enough for many steps at test sizes."""
 
@@ -86,20 +89,18 @@ def kernel_plans(structure) -> dict[str, np.ndarray]:
         for name in fields:
             out[f"{prefix}/{name}"] = np.asarray(getattr(obj, name))
 
-    lane_fields = ("row", "start", "end", "num_short", "chunk_start", "chunk_end")
-    lane_fields += ("group_start", "group_end")
     g = gpu.plan(structure)
-    put("gpu/lanes", g.lanes, lane_fields)
-    put("gpu/plain_lanes", gpu.plan_lanes(np.asarray(structure.indptr)), lane_fields)
+    put("gpu/lanes", g.lanes, LANE_FIELDS)
+    put("gpu/plain_lanes", gpu.plan_lanes(np.asarray(structure.indptr)), LANE_FIELDS)
     t = tpu.plan(structure)
-    put("tpu/tiles", t.tiles, ("block", "tile", "span"))
+    put("tpu/tiles", t.tiles, TILE_FIELDS)
     out["tpu/rows"] = np.asarray(t.rows)
-    put("tpu/small_tiles", tpu.plan_schedule(structure.indptr, tpu.Tiling(*SMALL_TILING)),
-        ("block", "tile", "span"))  # fmt: skip
+    small = tpu.plan_schedule(structure.indptr, tpu.Tiling(*SMALL_TILING))
+    put("tpu/small_tiles", small, TILE_FIELDS)
     if structure.t_indptr is not None:
-        put("gpu/t_lanes", g.t_lanes, lane_fields)
-        put("gpu/plain_t_lanes", gpu.plan_lanes(np.asarray(structure.t_indptr)), lane_fields)
-        put("tpu/t_tiles", t.t_tiles, ("block", "tile", "span"))
+        put("gpu/t_lanes", g.t_lanes, LANE_FIELDS)
+        put("gpu/plain_t_lanes", gpu.plan_lanes(np.asarray(structure.t_indptr)), LANE_FIELDS)
+        put("tpu/t_tiles", t.t_tiles, TILE_FIELDS)
         out["tpu/t_rows"] = np.asarray(t.t_rows)
     return out
 

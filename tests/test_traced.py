@@ -33,9 +33,7 @@ import jaxcsr
 from jaxcsr import CSRMatrix, device_plan, plan
 from jaxcsr.kernels import gpu, tpu
 
-LANE_FIELDS = ("row", "start", "end", "num_short", "chunk_start", "chunk_end")
-LANE_FIELDS += ("group_start", "group_end")
-TILE_FIELDS = ("block", "tile", "span")
+LANE_FIELDS, TILE_FIELDS = recorded_plans.LANE_FIELDS, recorded_plans.TILE_FIELDS
 
 
 def _assert_same_arrays(host, device, fields) -> None:

@@ -454,7 +454,7 @@ def plan(structure: Structure) -> GpuPlan:
     nnz = structure.nnz
     if t_indptr is None:  # "columns": one entry per column, so no column is reused
         return GpuPlan(plan_lanes(indptr, nnz=nnz), None)
-    host = array_namespace(indptr) is np
+    host = structure.on_host
     indices, t_indices = (structure.indices, structure.t_indices) if host else (None, None)
     return GpuPlan(plan_lanes(indptr, indices, nnz=nnz), plan_lanes(t_indptr, t_indices, nnz=nnz))
 

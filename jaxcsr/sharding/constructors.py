@@ -223,8 +223,7 @@ def _loaded_rows(load_rows, lo, hi, size, n, dtype, segment):
             f".sum()), got shape {cols.shape}"
         )
     check_range(cols, n, f"load_rows({lo}, {hi})'s columns", "num_cols")
-    ordered = np.sort(cols) if segment else cols
-    if segment and np.any(ordered[1:] == ordered[:-1]):
+    if segment and np.any(np.diff(np.sort(cols)) == 0):
         raise ValueError(
             f"form='segment' needs at most one entry per column; load_rows({lo}, {hi}) "
             "repeats a column"
