@@ -28,8 +28,8 @@ def main() -> None:
             rows, cols, rng.standard_normal(k).astype(np.float32), shape=(m, n)
         )
         G = G.with_data(G.data.astype(dtype))
-        # 1 (eight lanes), 3 and 12 (fixed-width loops), 16 and 64 (whole vectors), 19
-        # and 72 (loops past the vectors)
+        # 1 (eight lanes), 3, 12 and 19 (fixed-width loops), 16 and 64 (whole vectors),
+        # 72 (past the vectors: the pull's blocks of 64, the push's loop over features)
         for f in (1, 3, 12, 16, 19, 64, 72):
             # unsorted ids with 1.5 a row reduce in one piece: the pull runs them
             for order, these, rows_of in (
