@@ -147,7 +147,15 @@ def product(
     (sums of ``"general"`` views with values; the backward pass binds it), ``data`` is in
     the CSR order of the view's transpose: the lowering puts it in the view's order, or
     a backend that declares :attr:`~jaxcsr.kernels.Capabilities.transposed_data` reads it
-    through the planned permutation itself."""
+    through the planned permutation itself. ``data`` of shape ``(nnz, H)`` (row-major
+    sums; what ``vmap`` over per-head values and features binds) holds ``H`` values per
+    entry, the ``h``-th weighing the ``h``-th of ``H`` equal blocks of ``x``'s features."""
+    if (
+        data is not None
+        and data.ndim == 2
+        and (feature_major or params["reduce"] != "sum" or x.shape[1] % data.shape[1])
+    ):
+        raise ValueError("values per head: row-major sums over H equal blocks of features")
     if feature_major and params["reduce"] != "sum":
         raise ValueError(f"feature_major products are sums, got reduce={params['reduce']!r}")
     if data_transposed and (
@@ -346,7 +354,8 @@ def _lowered_impl(
     """What runs on one platform: the chosen backend's product (between transposes,
     for a feature-major product on a backend without them; after the values are put
     in the view's order, for ``data_transposed`` on a backend that does not read them
-    through the permutation itself)."""
+    through the permutation itself; one product per head, for values per head on a
+    backend that does not take them)."""
     x, data, index = _unpack(operands, index_tree, has_data)
     s = index.structure
     data_dtype = None if data is None else data.dtype
@@ -368,17 +377,21 @@ def _lowered_impl(
         options["data_transposed"] = True
     elif data_transposed:
         data = s.transpose().transpose_values(data)
-    out = backend.product(
-        x.T if feature_major and not native else x,
-        data,
-        s,
-        index.plans.get(backend.name),
-        reduce=reduce,
-        out_dtype=out_dtype,
-        interpret=interpret,
-        platform=platform,
-        **options,
-    )
+
+    def run(x, data):
+        return backend.product(
+            x, data, s, index.plans.get(backend.name), reduce=reduce, out_dtype=out_dtype,
+            interpret=interpret, platform=platform, **options,
+        )  # fmt: skip
+
+    if data is not None and data.ndim == 2:  # values per head
+        takes = backend.capabilities.heads
+        if takes is None or not takes(s, platform, x.dtype, data_dtype, out_dtype):
+            width = x.shape[1] // data.shape[1]
+            blocks = [x[:, h * width : (h + 1) * width] for h in range(data.shape[1])]
+            return jnp.concatenate([run(b, data[:, h]) for h, b in enumerate(blocks)], axis=1)
+        return run(x, data)
+    out = run(x.T if feature_major and not native else x, data)
     return out.T if feature_major and not native else out
 
 
@@ -547,9 +560,14 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
         cts[0] = x_ct.astype(x.aval.dtype)
     if data is not None and ad.is_undefined_primal(data):  # the sampled product
         ct_rows, x_rows = (ct.T, x.T) if params["feature_major"] else (ct, x)
+        heads = data.aval.shape[1] if len(data.aval.shape) == 2 else 1
         sampled = sample(
-            ct_rows[:, None], x_rows[:, None], behind_barrier(index), out_dtype=data.aval.dtype
-        )[:, 0]
+            ct_rows.reshape(ct_rows.shape[0], heads, -1),
+            x_rows.reshape(x_rows.shape[0], heads, -1),
+            behind_barrier(index),
+            out_dtype=data.aval.dtype,
+        )
+        sampled = sampled if len(data.aval.shape) == 2 else sampled[:, 0]
         cts[1] = s.transpose_values(sampled) if flipped else sampled
     return cts
 
@@ -562,7 +580,9 @@ def _batch(batched_args, batch_dims, *, index_tree, has_data, **params):
     x, data, index = _unpack(batched_args, index_tree, has_data)
     x_bd, *index_bd = batch_dims
     data_bd = index_bd.pop(0) if has_data else None
-    if any(bd is not None for bd in index_bd):  # one structure per batch element
+    per_head = has_data and data.ndim - (data_bd is not None) == 2  # values (nnz, H)
+    if any(bd is not None for bd in index_bd) or (per_head and data_bd is None):
+        # one structure per batch element, or a batch of features for values per head
 
         def bind(*operands):
             return csr_matmul_p.bind(*operands, index_tree=index_tree, has_data=has_data, **params)
@@ -581,8 +601,17 @@ def _batch(batched_args, batch_dims, *, index_tree, has_data, **params):
         n, b, f = x3.shape
         out = product(x3.reshape(n, b * f), data, index, **params)
         return out.reshape(m, b, f), 1
-    # Batched values: one product per set of values; a few sets (attention heads) as
-    # separate products in the program, more in a loop.
+    heads = data.shape[data_bd]
+    row_major_sum = params["reduce"] == "sum" and not params["feature_major"]
+    if not per_head and x_bd is not None and row_major_sum and heads <= UNROLLED_VALUE_SETS:
+        # Values and features per head (attention): one product with H values per entry,
+        # (n, H, F) -> (n, H * F), each head's values weighing its block of features.
+        x3 = jnp.moveaxis(x, x_bd, 1)
+        n, _, f = x3.shape
+        out = product(x3.reshape(n, heads * f), jnp.moveaxis(data, data_bd, 1), index, **params)
+        return out.reshape(m, heads, f), 1
+    # Other batched values: one product per set of values; a few sets as separate
+    # products in the program, more in a loop.
     data = jnp.moveaxis(data, data_bd, 0)
     x = x if x_bd is None else jnp.moveaxis(x, x_bd, 0)
 

@@ -7,6 +7,7 @@ instead of skipping them."""
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import shutil
@@ -224,13 +225,25 @@ def test_pull_refuses_bad_value_positions():
     indptr, cols = jnp.asarray([0, 1, 2, 3], jnp.int32), jnp.asarray([0, 1, 2], jnp.int32)
     x, data = jnp.ones((3, 2), jnp.float32), jnp.ones((3,), jnp.float32)
     attrs = {"max_threads": np.int64(0), "reduce": np.int64(0), "feature_major": np.int64(0)}
-    ok = call(indptr, cols, data, jnp.asarray([2, 0, 1], jnp.int32), x, **attrs)
+    one, two = {**attrs, "heads": np.int64(1)}, {**attrs, "heads": np.int64(2)}
+    ok = call(indptr, cols, data, jnp.asarray([2, 0, 1], jnp.int32), x, **one)
     np.testing.assert_array_equal(np.asarray(ok), np.ones((3, 2)))
-    bad = [(data, [0, 3, 1]), (data, [0, -1, 1]), (data, [0, 1]), (jnp.zeros((0,)), [0, 1, 2])]
-    for values, perm in bad:
+    # two values per entry, read through the positions: row r gets entry perm[r]'s pair
+    pairs = jnp.asarray([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
+    ok = call(indptr, cols, pairs, jnp.asarray([2, 0, 1], jnp.int32), x, **two)
+    np.testing.assert_array_equal(np.asarray(ok), [[5.0, 6.0], [1.0, 2.0], [3.0, 4.0]])
+    bad = [
+        (data, [0, 3, 1], one), (data, [0, -1, 1], one), (data, [0, 1], one),
+        (jnp.zeros((0,)), [0, 1, 2], one), (pairs, [0, 3, 1], two),
+        (data, [0, 1, 2], two),  # one value per entry, two heads
+        (pairs, [0, 1, 2], {**attrs, "heads": np.int64(0)}),
+        (jnp.ones((3, 3)), [0, 1, 2], {**attrs, "heads": np.int64(3)}),  # 2 features
+        (pairs, [0, 1, 2], {**two, "feature_major": np.int64(1)}),
+    ]  # fmt: skip
+    for values, perm, given in bad:
         with pytest.raises(Exception, match="jaxcsr cpu"):
             perm = jnp.asarray(perm, jnp.int32)
-            jax.block_until_ready(call(indptr, cols, values, perm, x, **attrs))
+            jax.block_until_ready(call(indptr, cols, values, perm, x, **given))
 
 
 @pytest.mark.parametrize("kind", ["hub", "segment", "segment_sorted", "general"])
@@ -1117,3 +1130,46 @@ def test_sanitizer_build_finds_nothing(tmp_path, rng):
     assert "ERROR: AddressSanitizer" not in result.stderr, report
     assert "runtime error" not in result.stderr, report
     assert result.stdout.strip().endswith("ok")
+
+
+def _fused_heads(A, w, x):
+    return jax.vmap(lambda a, v: A.with_data(a) @ v, in_axes=(1, 1), out_axes=1)(w, x)
+
+
+def _product_per_head(A, w, x):
+    return jnp.stack([A.with_data(w[:, h]) @ x[:, h] for h in range(w.shape[1])], axis=1)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _with_gradients(attend, A, w, x, ct):
+    out, vjp = jax.vjp(functools.partial(attend, A), w, x)
+    return (out, *vjp(ct))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_values_per_head_run_one_native_pull_with_the_per_head_bits(rng, dtype):
+    """``vmap`` over per-head values and features (attention) binds one native pull
+    (one call in the program, not one per head) whose outputs are, bit for bit, those
+    of a product per head, on one thread and on all: a general matrix, its transpose
+    (values read through the planned permutation) and sorted segment ids; 8 features a
+    head (one vector register each) and 5 (the loop); forward and both gradients."""
+    G, _ = _matrix(rng, "general", m=300, n=1000, k=9000)
+    ids = np.sort(power_law_ids(rng, 9000, 300))
+    views = {"general": G, "transpose": G.T, "sorted ids": CSRMatrix.from_indices(ids, 300)}
+    for (name, A), (heads, width) in itertools.product(views.items(), [(8, 8), (3, 8), (4, 5)]):
+        w = jnp.asarray(random_values(rng, (A.nnz, heads)), dtype)
+        x = jnp.asarray(random_values(rng, (A.shape[1], heads, width)), dtype)
+        ct = jnp.asarray(random_values(rng, (A.shape[0], heads, width)), dtype)
+        text = jax.jit(_fused_heads).lower(A, w, x).as_text()
+        assert text.count("jaxcsr_cpu_pull") == 1, name
+        got = _with_gradients(_fused_heads, A, w, x, ct)
+        with cpu.threads(1):  # a function traced inside the block: a new one
+            one_thread = jax.jit(lambda *a: _with_gradients.__wrapped__(_fused_heads, *a))(
+                A, w, x, ct
+            )
+        per_head = _with_gradients(_product_per_head, A, w, x, ct)
+        for a, b, c in zip(got, per_head, one_thread, strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=name)
+        dense = dense_of(A.with_data(np.asarray(w[:, 1], np.float64)))
+        assert_close(got[0][:, 1], dense @ np.asarray(x[:, 1], np.float64), dtype)

@@ -175,6 +175,11 @@ class Capabilities:
       plans_traced: whether ``plan`` also takes device structures (one function over
         numpy and ``jax.numpy``, :func:`~jaxcsr.structure.array_namespace`); without,
         matrices of traced ids leave the backend out and run on the fallback.
+      heads: ``(view, platform, x_dtype, data_dtype, out_dtype) -> bool``, whether
+        ``product`` takes values of shape ``(nnz, H)`` for that sum: entry ``k``'s value
+        for head ``h`` weighs the ``h``-th of ``H`` equal blocks of ``x``'s features (what
+        ``vmap`` over per-head values and features binds, attention heads). Where it
+        says no (``None``: never), the primitive runs one product per head.
     """
 
     sddmm: SddmmFn | None = None
@@ -183,6 +188,7 @@ class Capabilities:
     feature_major: bool = False
     transposed_data: Callable[..., bool] | None = None
     plans_traced: bool = False
+    heads: Callable[..., bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -368,6 +374,7 @@ register(
             feature_major=True,
             transposed_data=cpu.reads_transposed_data,
             plans_traced=True,
+            heads=cpu.takes_heads,
         ),
         Requirement(
             cpu.available,

@@ -96,6 +96,7 @@ __all__ = [
     "reads_transposed_data",
     "sddmm",
     "softmax",
+    "takes_heads",
     "threads",
     "unsorted_kernel",
     "traced_scatters",
@@ -391,6 +392,14 @@ def reads_transposed_data(view: Structure, platform, x_dtype, data_dtype, out_dt
     return platform == "cpu" and view.transposed and runs(view, x_dtype, data_dtype, out_dtype)
 
 
+def takes_heads(view: Structure, platform, x_dtype, data_dtype, out_dtype) -> bool:
+    """Backend entry (``Capabilities.heads``): the native pull takes ``H`` values per
+    entry (one per block of features, in one pass over each row) for the views it pulls
+    in CSR order: general views (their planned transposes too) and sorted segment ids."""
+    entries_by_row = not view.one_per_row and (not view.one_per_column or view.sorted_ids)
+    return platform == "cpu" and entries_by_row and runs(view, x_dtype, data_dtype, out_dtype)
+
+
 def product(
     x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret, platform,
     feature_major=False, data_transposed=False,
@@ -398,7 +407,8 @@ def product(
     """Backend entry: the viewed matrix times ``x`` with ``reduce``, natively. With
     ``feature_major``, ``x`` is ``(F, n)`` and the result ``(F, m)``: every kernel
     reads and writes that layout as it is. ``data_transposed`` comes only where
-    :func:`reads_transposed_data` said yes."""
+    :func:`reads_transposed_data` said yes, values ``(nnz, H)`` only where
+    :func:`takes_heads` did."""
     del cpu_plan, interpret
     data_dtype = None if data is None else data.dtype
     if platform != "cpu" or not runs(view, x.dtype, data_dtype, out_dtype):
@@ -414,6 +424,8 @@ def product(
     none = jnp.zeros((0,), dtype)
     attrs = {"max_threads": np.int64(_MAX_THREADS), "feature_major": np.int64(feature_major)}
     reduction = np.int64(_REDUCE[reduce])
+    if data is not None and data.ndim == 2:  # heads: the pull in CSR order only
+        assert not feature_major and takes_heads(view, platform, x.dtype, data.dtype, out_dtype)
     if view.one_per_row:  # y[i] = data_i * x[col_i]: a row gather, no reduction
         values = none if data is None else view.row_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_gather", result)
@@ -425,7 +437,8 @@ def product(
         values = none if data is None else view.column_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_push", result)
         return call(view.indptr, view.row_of_col, values, x, reduce=reduction, **attrs)
-    values = none if data is None else data.astype(dtype)
+    values = none if data is None else data.astype(dtype).reshape(-1)
+    heads = 1 if data is None or data.ndim == 1 else data.shape[1]
     indptr = view.view_indptr()
     if view.one_per_column and view.sorted_ids:  # entry k is column k
         cols = jnp.zeros((0,), jnp.int32)
@@ -435,7 +448,7 @@ def product(
     perm = view.t_perm.astype(jnp.int32) if data_transposed else jnp.zeros((0,), jnp.int32)
     call = jax.ffi.ffi_call("jaxcsr_cpu_pull", result)
     indices = (indptr.astype(jnp.int32), cols.astype(jnp.int32))
-    return call(*indices, values, perm, x, reduce=reduction, **attrs)
+    return call(*indices, values, perm, x, reduce=reduction, heads=np.int64(heads), **attrs)
 
 
 def sddmm(ct, x, view: Structure, *, out_dtype):

@@ -241,6 +241,84 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
   }
 }
 
+// Rows [lo, hi) of the pull product with ``heads`` values per entry (attention heads):
+// entry j's value for head h is data[j * heads + h] and weighs features [h * fh, (h + 1)
+// * fh) of x's and y's rows of f = heads * fh. Each output value is reduced in CSR
+// order with the operations of the one-value pull of its block of features (the loop
+// below, or pull_row_block's for blocks of 8 features): a product per head gives the
+// same bits, except at one feature per head, where the one-value pull sums a row in
+// eight lanes. V heads of 8 features (float32 or bfloat16 in and out): the heads'
+// accumulators are vector registers, no loop over features.
+template <typename In, typename Out, typename Op, int V>
+JAXCSR_INLINE void pull_rows_heads_vectors(const int32_t* indptr, const int32_t* cols,
+                                           const typename In::Storage* data,
+                                           const typename In::Storage* x,
+                                           typename Out::Storage* y, int64_t lo, int64_t hi,
+                                           uint64_t n, bool& bad) {
+  constexpr int64_t f = 8 * V;
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t j0 = indptr[r], j1 = indptr[r + 1];
+    f32x8 a[V];
+    for (int v = 0; v < V; ++v) a[v] = splat(Op::init);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t col = checked_column(cols, j, j1, x, f, n, bad);
+      if (col < 0) continue;
+      const typename In::Storage* w = data + j * V;
+      for (int v = 0; v < V; ++v)
+        a[v] = combine8<Op>(a[v], splat(In::load(w[v])) * load8<In>(x + col * f + 8 * v, 8, 0.0f));
+    }
+    for (int v = 0; v < V; ++v) store8<Out>(y + r * f + 8 * v, j1 == j0 ? splat(0.0f) : a[v], 8);
+  }
+}
+
+template <typename In, typename Out, typename Op>
+JAXCSR_INLINE void pull_rows_heads_loop(const int32_t* indptr, const int32_t* cols,
+                                        const typename In::Storage* data,
+                                        const typename In::Storage* x, typename Out::Storage* y,
+                                        int64_t f, int64_t heads, int64_t lo, int64_t hi,
+                                        float* acc, uint64_t n, bool& bad) {
+  const int64_t fh = f / heads;
+  for (int64_t r = lo; r < hi; ++r) {
+    const int64_t j0 = indptr[r], j1 = indptr[r + 1];
+    std::fill(acc, acc + f, Op::init);
+    for (int64_t j = j0; j < j1; ++j) {
+      const int64_t col = checked_column(cols, j, j1, x, f, n, bad);
+      if (col < 0) continue;
+      for (int64_t h = 0; h < heads; ++h) {
+        const float w = In::load(data[j * heads + h]);
+        const typename In::Storage* row = x + col * f + h * fh;
+        float* a = acc + h * fh;
+        for (int64_t i = 0; i < fh; ++i) a[i] = Op::combine(a[i], w * In::load(row[i]));
+      }
+    }
+    store_row<Out>(y + r * f, acc, f, j1 == j0);
+  }
+}
+
+template <typename In, typename Out, typename Op>
+struct PullHeads {
+  JAXCSR_INLINE static void run(const int32_t* indptr, const int32_t* cols,
+                                const typename In::Storage* data, const typename In::Storage* x,
+                                typename Out::Storage* y, int64_t f, int64_t heads, int64_t lo,
+                                int64_t hi, float* acc, uint64_t n, bool& bad) {
+    if constexpr (!std::is_same<In, F16>::value && std::is_same<In, Out>::value) {
+      if (f == 8 * heads) {
+        switch (heads) {
+          case 2: return pull_rows_heads_vectors<In, Out, Op, 2>(indptr, cols, data, x, y, lo, hi, n, bad);
+          case 3: return pull_rows_heads_vectors<In, Out, Op, 3>(indptr, cols, data, x, y, lo, hi, n, bad);
+          case 4: return pull_rows_heads_vectors<In, Out, Op, 4>(indptr, cols, data, x, y, lo, hi, n, bad);
+          case 5: return pull_rows_heads_vectors<In, Out, Op, 5>(indptr, cols, data, x, y, lo, hi, n, bad);
+          case 6: return pull_rows_heads_vectors<In, Out, Op, 6>(indptr, cols, data, x, y, lo, hi, n, bad);
+          case 7: return pull_rows_heads_vectors<In, Out, Op, 7>(indptr, cols, data, x, y, lo, hi, n, bad);
+          case 8: return pull_rows_heads_vectors<In, Out, Op, 8>(indptr, cols, data, x, y, lo, hi, n, bad);
+          default: break;
+        }
+      }
+    }
+    pull_rows_heads_loop<In, Out, Op>(indptr, cols, data, x, y, f, heads, lo, hi, acc, n, bad);
+  }
+};
+
 // Entries [k0, k1) of the push product into ``acc`` (all m rows, from Op::init), for
 // the ``width`` features starting at ``x`` and ``acc`` of rows ``stride`` apart (a
 // block of columns, or all of them): each entry's row is read, no branch per entry,
@@ -388,42 +466,51 @@ void pull_rows(const int32_t* indptr, const int32_t* cols, const typename In::St
 }
 
 // values[j] = data[perm[j]] for entries [j0, j1) (the values of a planned transpose,
-// read in its CSR order); a position outside [0, nnz) sets ``bad`` and reads 0.
+// read in its CSR order), ``heads`` values per entry; a position outside [0, nnz) sets
+// ``bad`` and reads 0.
 template <typename S>
 void permute_values(const S* data, const int32_t* perm, S* values, int64_t j0, int64_t j1,
-                    int64_t nnz, bool& bad) {
+                    int64_t nnz, int64_t heads, bool& bad) {
   for (int64_t j = j0; j < j1; ++j) {
     const uint64_t p = static_cast<uint32_t>(perm[j]);
     if (p >= static_cast<uint64_t>(nnz)) {
       bad = true;
-      values[j] = S{};
+      std::fill(values + j * heads, values + (j + 1) * heads, S{});
       continue;
     }
-    values[j] = data[p];
+    std::copy(data + p * heads, data + (p + 1) * heads, values + j * heads);
   }
 }
 
 // Returns false if a column index was outside [0, n) (those entries are skipped) or a
 // position in ``perm`` outside the entries. With ``perm``, entry j's value is
 // data[perm[j]]: each chunk of rows puts its values in CSR order first, while they
-// stay in cache for its rows (no separate pass over all of them).
+// stay in cache for its rows (no separate pass over all of them). With ``heads`` > 1,
+// each entry has that many values, one per block of f / heads features (PullHeads).
 template <typename In, typename Out, typename Op>
 bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const int32_t* cols, const typename In::Storage* data, const int32_t* perm,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
-              int64_t f, int64_t n) {
+              int64_t f, int64_t n, int64_t heads = 1) {
   using S = typename In::Storage;
   const int64_t nnz = indptr[rows];
-  std::unique_ptr<S[]> permuted(perm && data ? new S[std::max<int64_t>(nnz, 1)] : nullptr);
+  std::unique_ptr<S[]> permuted(perm && data ? new S[std::max<int64_t>(nnz * heads, 1)]
+                                             : nullptr);
   return over_row_chunks(pool, max_threads, indptr, rows, f, cols != nullptr,
                          [&](int64_t lo, int64_t hi, bool& bad) {
                            const S* values = data;
                            if (permuted) {
                              permute_values(data, perm, permuted.get(), indptr[lo], indptr[hi],
-                                            nnz, bad);
+                                            nnz, heads, bad);
                              values = permuted.get();
                            }
                            std::vector<float> acc(f);
+                           if (heads > 1) {
+                             run_best<PullHeads<In, Out, Op>>(
+                                 indptr, cols, values, x, y, f, heads, lo, hi, acc.data(),
+                                 static_cast<uint64_t>(n), bad);
+                             return;
+                           }
                            pull_rows<In, Out, Op>(indptr, cols, values, x, y, f, lo, hi,
                                                   acc.data(), static_cast<uint64_t>(n), bad);
                          });
@@ -555,7 +642,7 @@ struct PullKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                         const int32_t* cols, const void* data, const int32_t* perm,
                         const void* x, void* y, int64_t rows, int64_t f, int64_t n,
-                        bool feature_major) {
+                        bool feature_major, int64_t heads) {
     using S = typename In::Storage;
     const S* values = static_cast<const S*>(data);
     const auto* xs = static_cast<const S*>(x);
@@ -563,7 +650,7 @@ struct PullKernel {
     bool ok = true;
     if (!feature_major) {
       ok = csr_pull<In, Out, Op>(pool, max_threads, indptr, cols, values, perm, xs, ys, rows, f,
-                                 n);
+                                 n, heads);
     } else {  // one pull per feature: the values put in order once, in parallel
       const int64_t nnz = indptr[rows];
       std::unique_ptr<S[]> permuted(perm && values ? new S[std::max<int64_t>(nnz, 1)] : nullptr);
@@ -574,7 +661,7 @@ struct PullKernel {
         parallel_chunks(pool, chunks, threads, [&](int64_t c) {
           bool mine = false;
           permute_values(values, perm, permuted.get(), nnz * c / chunks, nnz * (c + 1) / chunks,
-                         nnz, mine);
+                         nnz, int64_t{1}, mine);
           if (mine) bad.store(true);
         });
         ok = !bad.load();
@@ -607,7 +694,7 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                        ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer data,
                        ffi::Buffer<ffi::S32> perm, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce,
-                       int64_t feature_major) {
+                       int64_t feature_major, int64_t heads) {
   const int64_t rows = static_cast<int64_t>(indptr.element_count()) - 1;
   if (rows < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
   const bool fm = feature_major != 0;
@@ -617,8 +704,10 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
   const auto [n, f] = entries_and_features(x, fm);
   if (!valid_indptr(indptr.typed_data(), rows, nnz) || nnz < 0 || (!has_cols && nnz > n))
     return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
+  if (heads < 1 || (heads > 1 && (fm || !has_data || f % heads != 0)))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: heads need values and row-major x");
   if ((has_cols && static_cast<int64_t>(cols.element_count()) != nnz) ||
-      (has_data && static_cast<int64_t>(data.element_count()) != nnz) ||
+      (has_data && static_cast<int64_t>(data.element_count()) != nnz * heads) ||
       (has_data && data.element_type() != x.element_type()))
     return ffi::Error::InvalidArgument("jaxcsr cpu: cols/data do not match indptr");
   const bool has_perm = perm.element_count() > 0;
@@ -628,7 +717,7 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                               indptr.typed_data(), has_cols ? cols.typed_data() : nullptr,
                               has_data ? data.untyped_data() : nullptr,
                               has_perm ? perm.typed_data() : nullptr, x.untyped_data(),
-                              y->untyped_data(), rows, f, n, fm);
+                              y->untyped_data(), rows, f, n, fm, heads);
 }
 
 ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
@@ -670,7 +759,8 @@ auto push_binding() {
 }
 
 // The pull: (indptr, columns or empty, values or empty, value positions or empty, x) -> y;
-// with positions, entry j's value is values[positions[j]] (a planned transpose's).
+// with positions, entry j's value is values[positions[j]] (a planned transpose's); with
+// heads > 1, each entry has that many values (row-major, one per block of features).
 auto pull_binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -682,7 +772,8 @@ auto pull_binding() {
       .Ret<ffi::AnyBuffer>()
       .Attr<int64_t>("max_threads")
       .Attr<int64_t>("reduce")
-      .Attr<int64_t>("feature_major");
+      .Attr<int64_t>("feature_major")
+      .Attr<int64_t>("heads");
 }
 
 }  // namespace
