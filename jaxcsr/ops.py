@@ -692,17 +692,13 @@ def sampler_for(platform: str, index: Index, *dtypes) -> Any:
 
 
 def _sddmm_lowered(x, y, *leaves, index_tree, out_dtype, platform: str) -> jax.Array:
-    """What runs on one platform: the per-head sampled products of :func:`sampler_for`."""
+    """What runs on one platform: the sampled product of :func:`sampler_for`, all heads."""
     index = jax.tree_util.tree_unflatten(index_tree, leaves)
     structure = index.structure
     if _is_empty(structure, x.shape[2]):
         return jnp.zeros((structure.nnz, x.shape[1]), out_dtype)
     sampler = sampler_for(platform, index, x.dtype, y.dtype)
-
-    def per_head(a, b):
-        return sampler(a, b, structure, out_dtype=out_dtype)
-
-    return jax.vmap(per_head, in_axes=(1, 1), out_axes=1)(x, y)
+    return sampler(x, y, structure, out_dtype=out_dtype)
 
 
 def _sddmm_jvp(primals, tangents, *, index_tree, out_dtype):

@@ -131,7 +131,7 @@ def _per_head(rng, A, heads, width):
 
 @pytest.mark.parametrize("impl", [None, "xla"])
 @pytest.mark.parametrize("kind", [*KINDS, "general_t"])
-@pytest.mark.parametrize("heads, width", [(1, 3), (3, 8), (8, 8), (4, 5), (2, 1)])
+@pytest.mark.parametrize("heads, width", [(1, 3), (3, 8), (4, 5), (2, 1)])
 def test_vmap_over_values_and_features_per_head(rng, kind, heads, width, impl):
     """``vmap`` over per-head values and features (attention), bound as one product
     with ``H`` values per entry: output, both gradients and under ``jit``, against

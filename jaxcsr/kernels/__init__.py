@@ -71,7 +71,8 @@ class ProductFn(Protocol):
 
 
 class SddmmFn(Protocol):
-    """``Capabilities.sddmm``: ``ct @ x.T`` at the view's stored entries, ``(nnz,)``."""
+    """``Capabilities.sddmm``: ``ct (m, H, F)`` and ``x (n, H, F)`` at the view's stored
+    entries, ``(nnz, H)``: ``sum_f ct[row_k, h, f] * x[col_k, h, f]``."""
 
     def __call__(
         self, ct: jax.Array, x: jax.Array, view: Structure, /, *, out_dtype: Any
@@ -152,7 +153,8 @@ class Capabilities:
     """What a backend does beyond its product; each is optional.
 
     Attributes:
-      sddmm: ``(ct, x, view, *, out_dtype) -> (nnz,)``, the sampled product (the
+      sddmm: ``(ct, x, view, *, out_dtype) -> (nnz, H)``, the sampled product of ``ct
+        (m, H, F)`` and ``x (n, H, F)``, every head (the
         fallback's is used for every backend; ``None``: none of its own).
       arg_search: an :class:`ArgSearch`, run on this backend's platform (chosen when
         lowered, :func:`jaxcsr.ops.arg_search`) where the matrix carries its plan;

@@ -452,29 +452,31 @@ def product(
 
 
 def sddmm(ct, x, view: Structure, *, out_dtype):
-    """Backend entry: ``ct @ x.T`` at the view's stored entries, ``(nnz,)`` in its CSR
-    order (the values' gradient), natively: per row for general views (``ct[r]`` read
-    once per row), per entry in input order for one-per-column views (then put in CSR
-    order), per row for one-per-row views. Other dtypes run the fallback's."""
+    """Backend entry: ``ct (m, H, F)`` and ``x (n, H, F)`` at the view's stored entries,
+    ``(nnz, H)`` in its CSR order (the values' gradient), every head in one native pass:
+    per row for general views (``ct[r]`` read once per row), per entry in input order
+    for one-per-column views (then put in CSR order), per row for one-per-row views.
+    Other dtypes run the fallback's."""
     dtype = product_dtype(ct.dtype, x.dtype)  # the dtype runs() checks
     if not runs(view, ct.dtype, x.dtype, out_dtype):
         return xla.sddmm(ct, x, view, out_dtype=out_dtype)
-    ct, x = ct.astype(dtype), x.astype(dtype)
+    heads = ct.shape[1]
+    ct = ct.astype(dtype).reshape(ct.shape[0], -1)
+    x = x.astype(dtype).reshape(x.shape[0], -1)
     empty = jnp.zeros((0,), jnp.int32)
     attrs = {"max_threads": np.int64(_MAX_THREADS)}
-    # heads (the sddmm primitive vmaps over them) run one after another
     call = functools.partial(jax.ffi.ffi_call, "jaxcsr_cpu_sddmm", vmap_method="sequential")
     if view.one_per_column:  # per column k (input order): ct[ids[k]] . x[k]
         rows = view.row_of_col.astype(jnp.int32)  # empty columns, dropped ids: 0
-        out = jax.ShapeDtypeStruct(rows.shape, out_dtype)
+        out = jax.ShapeDtypeStruct((rows.shape[0], heads), out_dtype)
         per_column = call(out)(empty, rows, empty, ct, x, **attrs)
         return per_column if view.sorted_ids else per_column[view.indices]
     if view.one_per_row:  # per row i: ct[i] . x[col_of_row[i]]
         cols = jnp.minimum(view.column_rows(), x.shape[0] - 1).astype(jnp.int32)
-        out = jax.ShapeDtypeStruct((view.shape[0],), out_dtype)
+        out = jax.ShapeDtypeStruct((view.shape[0], heads), out_dtype)
         per_row = call(out)(empty, empty, cols, ct, x, **attrs)
         return view.compact_rows(per_row)
-    out = jax.ShapeDtypeStruct((view.nnz,), out_dtype)
+    out = jax.ShapeDtypeStruct((view.nnz, heads), out_dtype)
     indptr = view.view_indptr().astype(jnp.int32)
     cols = view.view_indices().astype(jnp.int32)
     return call(out)(indptr, empty, cols, ct, x, **attrs)

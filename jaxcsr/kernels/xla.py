@@ -240,7 +240,8 @@ def _scatter_add(x: jax.Array, ids: jax.Array, m: int, *, sorted_ids: bool) -> j
 
 
 def sddmm(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> jax.Array:
-    """``(ct @ x.T)`` sampled at the stored entries: ``sum_f ct[row_k, f] * x[col_k, f]``.
+    """``ct (m, H, F)`` and ``x (n, H, F)`` sampled at the stored entries: ``(nnz, H)``,
+    ``sum_f ct[row_k, h, f] * x[col_k, h, f]``.
 
     The cotangent of the product with respect to the matrix data, in the view's CSR
     order. One-per-column views read X in order (no gather of X); one-per-row views
@@ -250,20 +251,20 @@ def sddmm(ct: jax.Array, x: jax.Array, structure: Structure, *, out_dtype) -> ja
     if structure.one_per_column:  # per column j: ct[row_of_col[j]] . x[j]
         m = structure.shape[0]
         rows = structure.column_rows()
-        per_column = jnp.sum(ct[jnp.minimum(rows, m - 1)].astype(acc) * x.astype(acc), axis=1)
+        per_column = jnp.sum(ct[jnp.minimum(rows, m - 1)].astype(acc) * x.astype(acc), axis=-1)
         if structure.layout.padded:  # dropped entries: no row, no gradient
-            per_column = jnp.where(rows < m, per_column, 0)
+            per_column = jnp.where((rows < m)[:, None], per_column, 0)
         per_entry = per_column if structure.sorted_ids else per_column[structure.indices]
         return per_entry.astype(out_dtype)
     if structure.one_per_row:  # per row i: ct[i] . x[col_of_row[i]]
         cols = jnp.minimum(structure.column_rows(), x.shape[0] - 1)
-        per_row = jnp.sum(ct.astype(acc) * x[cols].astype(acc), axis=1)
+        per_row = jnp.sum(ct.astype(acc) * x[cols].astype(acc), axis=-1)
         return structure.compact_rows(per_row).astype(out_dtype)
     rows = structure.row_ids()
     prod = ct[rows].astype(acc) * x[structure.view_indices()].astype(acc)
-    out = jnp.sum(prod, axis=1)
+    out = jnp.sum(prod, axis=-1)
     if structure.layout.padded:  # dropped entries: no row, no gradient
-        out = jnp.where(rows < structure.shape[0], out, 0)
+        out = jnp.where((rows < structure.shape[0])[:, None], out, 0)
     return out.astype(out_dtype)
 
 

@@ -23,37 +23,41 @@ JAXCSR_INLINE float dot(const typename In::Storage* __restrict a,
   return fold_lanes<Sum>(part);
 }
 
+// Entry j's ``heads`` values: out[j * heads + h] = the dot product of ct's and x's
+// h-th blocks of f / heads features (0 for none: no row, or a column out of range).
+template <typename In, typename Out>
+JAXCSR_INLINE void sddmm_entry(const typename In::Storage* ct_row,
+                               const typename In::Storage* x_row, typename Out::Storage* out,
+                               int64_t f, int64_t heads) {
+  const int64_t fh = f / heads;
+  for (int64_t h = 0; h < heads; ++h)
+    out[h] = Out::store(ct_row ? dot<In>(ct_row + h * fh, x_row + h * fh, fh) : 0.0f);
+}
+
 template <typename In, typename Out>
 JAXCSR_INLINE void sddmm_body(const int32_t* indptr, const int32_t* rows, const int32_t* cols,
                               const typename In::Storage* ct, const typename In::Storage* x,
                               typename Out::Storage* out, int64_t m, int64_t n, int64_t f,
-                              int64_t lo, int64_t hi, bool& bad) {
+                              int64_t heads, int64_t lo, int64_t hi, bool& bad) {
   if (indptr) {  // [lo, hi) are rows
     for (int64_t r = lo; r < hi; ++r) {
       for (int64_t j = indptr[r]; j < indptr[r + 1]; ++j) {
         const int64_t col = cols ? cols[j] : j;
-        if (static_cast<uint64_t>(col) >= static_cast<uint64_t>(n)) {
-          bad = true;
-          out[j] = Out::store(0.0f);
-          continue;
-        }
-        out[j] = Out::store(dot<In>(ct + r * f, x + col * f, f));
+        const bool inside = static_cast<uint64_t>(col) < static_cast<uint64_t>(n);
+        bad |= !inside;
+        sddmm_entry<In, Out>(inside ? ct + r * f : nullptr, x + (inside ? col : 0) * f,
+                             out + j * heads, f, heads);
       }
     }
     return;
   }
   for (int64_t j = lo; j < hi; ++j) {  // [lo, hi) are entries
     const int64_t r = rows ? rows[j] : j, col = cols ? cols[j] : j;
-    if (r < 0 || r >= m) {  // a dropped entry: no row, no value
-      out[j] = Out::store(0.0f);
-      continue;
-    }
-    if (static_cast<uint64_t>(col) >= static_cast<uint64_t>(n)) {
-      bad = true;
-      out[j] = Out::store(0.0f);
-      continue;
-    }
-    out[j] = Out::store(dot<In>(ct + r * f, x + col * f, f));
+    const bool has_row = r >= 0 && r < m;  // a dropped entry: no row, no value
+    const bool inside = static_cast<uint64_t>(col) < static_cast<uint64_t>(n);
+    bad |= has_row && !inside;
+    sddmm_entry<In, Out>(has_row && inside ? ct + r * f : nullptr, x + (inside ? col : 0) * f,
+                         out + j * heads, f, heads);
   }
 }
 
@@ -70,7 +74,7 @@ struct SddmmKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                         const int32_t* rows, const int32_t* cols, const void* ct,
                         const void* x, void* out, int64_t m, int64_t n, int64_t f,
-                        int64_t entries) {
+                        int64_t heads, int64_t entries) {
     const int64_t threads = thread_count(pool, max_threads);
     const int64_t chunks = chunk_count(entries * f, threads, 8);
     std::vector<int64_t> starts;
@@ -86,7 +90,7 @@ struct SddmmKernel {
       run_best<SddmmEntries<In, Out>>(
           indptr, rows, cols, static_cast<const typename In::Storage*>(ct),
           static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(out),
-          m, n, f, starts[c], starts[c + 1], bad);
+          m, n, f, heads, starts[c], starts[c + 1], bad);
       if (bad) any_bad.store(true);
     });
     if (any_bad.load())
@@ -95,17 +99,21 @@ struct SddmmKernel {
   }
 };
 
-// indptr: (m + 1,) or empty; rows: (entries,) or empty; cols: (entries,) or empty.
+// indptr: (m + 1,) or empty; rows: (entries,) or empty; cols: (entries,) or empty; out:
+// (entries,) or (entries, heads), each head the dot product of its block of features.
 ffi::Error SddmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                      ffi::Buffer<ffi::S32> rows, ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer ct,
                      ffi::AnyBuffer x, ffi::Result<ffi::AnyBuffer> out, int64_t max_threads) {
   auto cd = ct.dimensions();
   auto xd = x.dimensions();
-  if (cd.size() != 2 || xd.size() != 2 || cd[1] != xd[1] || out->dimensions().size() != 1 ||
+  auto od = out->dimensions();
+  if (cd.size() != 2 || xd.size() != 2 || cd[1] != xd[1] || od.size() < 1 || od.size() > 2 ||
       ct.element_type() != x.element_type())
     return ffi::Error::InvalidArgument("jaxcsr cpu: sddmm operands do not match");
   const int64_t m = cd[0], n = xd[0], f = cd[1];
-  const int64_t entries = out->dimensions()[0];
+  const int64_t entries = od[0], heads = od.size() == 2 ? od[1] : 1;
+  if (heads < 1 || f % heads != 0)
+    return ffi::Error::InvalidArgument("jaxcsr cpu: sddmm heads do not divide the features");
   const bool by_rows = indptr.element_count() > 0;
   const bool has_rows = rows.element_count() > 0, has_cols = cols.element_count() > 0;
   if (by_rows && (static_cast<int64_t>(indptr.element_count()) != m + 1 || has_rows ||
@@ -119,7 +127,7 @@ ffi::Error SddmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                                by_rows ? indptr.typed_data() : nullptr,
                                has_rows ? rows.typed_data() : nullptr,
                                has_cols ? cols.typed_data() : nullptr, ct.untyped_data(),
-                               x.untyped_data(), out->untyped_data(), m, n, f, entries);
+                               x.untyped_data(), out->untyped_data(), m, n, f, heads, entries);
 }
 
 }  // namespace
