@@ -184,6 +184,27 @@ def test_narrow_sums_run_feature_major_and_take_inf_and_nan(rng, n_features):
         assert_sums_close(got[finite], expected[finite], abs_sums[finite], np.float32)
 
 
+@pytest.mark.parametrize("n_features", [5, 130])
+def test_a_callers_highest_matmul_precision_does_not_reach_the_kernel(rng, n_features):
+    """The kernel's MXU products are one-pass bfloat16 products (exact); their precision
+    is explicit, so ``jax.default_matmul_precision("highest")`` around a caller's code
+    leaves them as they are (compiled on a TPU, it failed to build: Mosaic rejects
+    bfloat16 operands at HIGHEST). The same bits with it and without, feature-major (5
+    features) and row-major, with an inf (the IEEE kernel's counts too)."""
+    idx = power_law_ids(rng, 600, 70)
+    A = CSRMatrix.from_indices(idx, num_rows=70, backends=ALL)
+    v = random_values(rng, (600, n_features)).astype(np.float32)
+    v[int(rng.integers(0, 600)), 0] = np.inf
+    want = np.asarray(jax.jit(lambda v: tpu_matmul(A, v))(v))
+    with jax.default_matmul_precision("highest"):
+        got = np.asarray(jax.jit(lambda v: tpu_matmul(A, v))(v))
+    np.testing.assert_array_equal(got, want)
+    expected = np.zeros((70, n_features))
+    np.add.at(expected, idx, v.astype(np.float64))
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(got[~finite], expected[~finite])
+
+
 @pytest.mark.parametrize("reduce", ["sum", "max"])
 def test_fast_kernel_output_is_finite_only_when_right(rng, reduce):
     """What product's rerun rests on: without ``ieee`` the kernel equals the IEEE one

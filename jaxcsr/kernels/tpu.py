@@ -356,9 +356,18 @@ def _parts(values: jax.Array, num_parts: int) -> tuple[jax.Array, ...]:
     return hi, mid, lo
 
 
+# bfloat16 x bfloat16 products are exact in one MXU pass; the precision is explicit so
+# that jax.default_matmul_precision("highest") in the caller's code does not reach the
+# kernel (Mosaic rejects bfloat16 operands at HIGHEST: "Bad lhs type").
+_ONE_PASS = lax.Precision.DEFAULT
+
+
 def _nt_select(part: jax.Array, hot: jax.Array) -> jax.Array:
     """``part @ hot.T`` in float32: ``(N, K) x (W, K) -> (N, W)``."""
-    return lax.dot_general(part, hot, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+    return lax.dot_general(
+        part, hot, (((1,), (1,)), ((), ())), precision=_ONE_PASS,
+        preferred_element_type=jnp.float32,
+    )  # fmt: skip
 
 
 def _select(
@@ -373,7 +382,7 @@ def _select(
         if feature_major:
             term = _nt_select(part, hot)
         else:
-            term = jnp.dot(hot, part, preferred_element_type=jnp.float32)
+            term = jnp.dot(hot, part, precision=_ONE_PASS, preferred_element_type=jnp.float32)
         out = term if out is None else out + term
     assert out is not None
     return out
@@ -388,7 +397,8 @@ def _non_finite_select(onehot: jax.Array, values: jax.Array, num_parts: int) -> 
     hot = onehot.astype(jnp.bfloat16)
 
     def count(indicator):
-        return jnp.dot(hot, indicator.astype(jnp.bfloat16), preferred_element_type=jnp.float32)
+        indicator = indicator.astype(jnp.bfloat16)
+        return jnp.dot(hot, indicator, precision=_ONE_PASS, preferred_element_type=jnp.float32)
 
     nan = count(jnp.isnan(wide))
     pos = count(wide == jnp.inf)
