@@ -471,6 +471,18 @@ void pull_rows(const int32_t* indptr, const int32_t* cols, const typename In::St
 template <typename S>
 void permute_values(const S* data, const int32_t* perm, S* values, int64_t j0, int64_t j1,
                     int64_t nnz, int64_t heads, bool& bad) {
+  if (heads == 1) {  // one value an entry: no copy loop per entry
+    for (int64_t j = j0; j < j1; ++j) {
+      const uint64_t p = static_cast<uint32_t>(perm[j]);
+      if (p >= static_cast<uint64_t>(nnz)) {
+        bad = true;
+        values[j] = S{};
+        continue;
+      }
+      values[j] = data[p];
+    }
+    return;
+  }
   for (int64_t j = j0; j < j1; ++j) {
     const uint64_t p = static_cast<uint32_t>(perm[j]);
     if (p >= static_cast<uint64_t>(nnz)) {

@@ -23,49 +23,58 @@ JAXCSR_INLINE float dot(const typename In::Storage* __restrict a,
   return fold_lanes<Sum>(part);
 }
 
-// Entry j's ``heads`` values: out[j * heads + h] = the dot product of ct's and x's
-// h-th blocks of f / heads features (0 for none: no row, or a column out of range).
-template <typename In, typename Out>
-JAXCSR_INLINE void sddmm_entry(const typename In::Storage* ct_row,
-                               const typename In::Storage* x_row, typename Out::Storage* out,
-                               int64_t f, int64_t heads) {
-  const int64_t fh = f / heads;
-  for (int64_t h = 0; h < heads; ++h)
-    out[h] = Out::store(ct_row ? dot<In>(ct_row + h * fh, x_row + h * fh, fh) : 0.0f);
-}
-
-template <typename In, typename Out>
+// One value per entry (One) or ``heads``: out[j * heads + h] = the dot product of ct's
+// and x's h-th blocks of f / heads features; each the one-head dot, the same bits.
+template <typename In, typename Out, bool One>
 JAXCSR_INLINE void sddmm_body(const int32_t* indptr, const int32_t* rows, const int32_t* cols,
                               const typename In::Storage* ct, const typename In::Storage* x,
                               typename Out::Storage* out, int64_t m, int64_t n, int64_t f,
                               int64_t heads, int64_t lo, int64_t hi, bool& bad) {
+  const int64_t fh = One ? f : f / heads;
+  const auto put = [&](int64_t j, const typename In::Storage* ct_row, int64_t col) {
+    if constexpr (One) {
+      out[j] = Out::store(ct_row ? dot<In>(ct_row, x + col * f, f) : 0.0f);
+    } else {
+      for (int64_t h = 0; h < heads; ++h)
+        out[j * heads + h] =
+            Out::store(ct_row ? dot<In>(ct_row + h * fh, x + col * f + h * fh, fh) : 0.0f);
+    }
+  };
   if (indptr) {  // [lo, hi) are rows
     for (int64_t r = lo; r < hi; ++r) {
       for (int64_t j = indptr[r]; j < indptr[r + 1]; ++j) {
         const int64_t col = cols ? cols[j] : j;
-        const bool inside = static_cast<uint64_t>(col) < static_cast<uint64_t>(n);
-        bad |= !inside;
-        sddmm_entry<In, Out>(inside ? ct + r * f : nullptr, x + (inside ? col : 0) * f,
-                             out + j * heads, f, heads);
+        if (static_cast<uint64_t>(col) >= static_cast<uint64_t>(n)) {
+          bad = true;
+          put(j, nullptr, 0);
+          continue;
+        }
+        put(j, ct + r * f, col);
       }
     }
     return;
   }
   for (int64_t j = lo; j < hi; ++j) {  // [lo, hi) are entries
     const int64_t r = rows ? rows[j] : j, col = cols ? cols[j] : j;
-    const bool has_row = r >= 0 && r < m;  // a dropped entry: no row, no value
-    const bool inside = static_cast<uint64_t>(col) < static_cast<uint64_t>(n);
-    bad |= has_row && !inside;
-    sddmm_entry<In, Out>(has_row && inside ? ct + r * f : nullptr, x + (inside ? col : 0) * f,
-                         out + j * heads, f, heads);
+    if (r < 0 || r >= m) {  // a dropped entry: no row, no value
+      put(j, nullptr, 0);
+      continue;
+    }
+    if (static_cast<uint64_t>(col) >= static_cast<uint64_t>(n)) {
+      bad = true;
+      put(j, nullptr, 0);
+      continue;
+    }
+    put(j, ct + r * f, col);
   }
 }
 
 template <typename In, typename Out>
 struct SddmmEntries {
   template <typename... Args>
-  JAXCSR_INLINE static void run(Args&&... args) {
-    sddmm_body<In, Out>(std::forward<Args>(args)...);
+  JAXCSR_INLINE static void run(int64_t heads, Args&&... args) {
+    if (heads == 1) return sddmm_body<In, Out, true>(std::forward<Args>(args)...);
+    sddmm_body<In, Out, false>(std::forward<Args>(args)...);
   }
 };
 
@@ -88,7 +97,7 @@ struct SddmmKernel {
     parallel_chunks(pool, chunks, threads, [&](int64_t c) {
       bool bad = false;
       run_best<SddmmEntries<In, Out>>(
-          indptr, rows, cols, static_cast<const typename In::Storage*>(ct),
+          heads, indptr, rows, cols, static_cast<const typename In::Storage*>(ct),
           static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(out),
           m, n, f, heads, starts[c], starts[c + 1], bad);
       if (bad) any_bad.store(true);
