@@ -204,6 +204,20 @@ def test_pull_or_push_study(tmp_path):
     assert "| cora shuffled | 2708 | 10556 | 8 | float32 | 1 |" in text
 
 
+def test_random_graphs_study(tmp_path):
+    """Two small uniform graphs at N = 1 and 4: static and traced, forward and forward
+    + backward, every jaxcsr output within float32 rounding of jax.ops'."""
+    from benchmarks.studies import random_graphs
+
+    argv = ["--rows", "300,5000", "--ids", "20000", "--features", "1,4", "--repeats", "1"]
+    result = random_graphs.main([*argv, "--out", str(tmp_path)])
+    assert len(result["rows"]) == 16  # 2 graphs x 2 widths x static/traced x fwd/fwd+bwd
+    assert all(0 <= r["max_relative_difference"] < 1e-5 for r in result["rows"])
+    text = (tmp_path / "random_graphs.md").read_text()
+    assert "| 20000 | 5000 | 4 | traced | fwd+bwd |" in text
+    assert "- static ids, fwd: geometric mean" in text
+
+
 def test_busy_core_study(tmp_path):
     """Cora at N = 4, quiet and with core 0 spinning: every system's output agrees."""
     from benchmarks.studies import busy_core
