@@ -4,7 +4,8 @@ The embedded graphs are real and skewed; a random graph is the other end: every
 segment about equally long, the ids in no order, the output rows touched at random.
 This study times ``segment_sum`` of ``(ids, N)`` values into ``rows`` segments on
 uniform random ids, against ``jax.ops.segment_sum`` on the same ids, in turns, jitted,
-forward and forward + backward: with the ids static (closed over: jaxcsr plans them
+forward and forward + backward (the output and the values' gradient, the cotangent an
+argument): with the ids static (closed over: jaxcsr plans them
 once on the host; jax.ops gets them as a constant) and traced (a jit argument on both
 sides: jaxcsr plans on the device per call, or runs XLA's scatter where its rule says
 so). Each row records the largest relative difference of jaxcsr's output from
@@ -29,21 +30,23 @@ SYSTEMS = ("jaxcsr", "jax.ops")
 
 
 def _function(system: str, ids: np.ndarray, m: int, traced: bool, backward: bool):
-    """A new jitted function of the values (and the ids where ``traced``): jit's cache
-    must not hand one cell's program to another."""
+    """A new jitted function (jit's cache must not hand one cell's program to another)
+    of the values (and the ids where ``traced``; and the output's cotangent with
+    ``backward``: the output and the values' gradient). The cotangent is an argument:
+    closed over, with static ids, XLA would fold jax.ops' whole gradient (a gather of
+    two constants) into a constant at compile time."""
     segment = jaxcsr.segment_sum if system == "jaxcsr" else jax.ops.segment_sum
 
-    def forward(v, i):
-        return segment(v, i, m)
+    def run(v, i, *ct):
+        if not backward:
+            return segment(v, i, m)
+        out, pullback = jax.vjp(lambda v: segment(v, i, m), v)
+        return out, pullback(ct[0])[0]
 
-    op = forward
-    if backward:
-        ct = jnp.asarray(np.random.default_rng(1).standard_normal((m, 1)), jnp.float32)
-        op = jax.grad(lambda v, i: jnp.sum(forward(v, i) * ct))
     if traced:
-        return jax.jit(op)
+        return jax.jit(run)
     constant = np.asarray(ids)
-    return jax.jit(lambda v: op(v, constant))
+    return jax.jit(lambda v, *ct: run(v, constant, *ct))
 
 
 def main(argv=None) -> dict:
@@ -65,17 +68,25 @@ def main(argv=None) -> dict:
             ids = rng.integers(0, m, k).astype(np.int32)
             for n in (int(f) for f in args.features.split(",")):
                 x = jnp.asarray(rng.standard_normal((k, n)), jnp.float32)
+                ct = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
                 for traced in (False, True):
                     for backward in (False, True):
                         operands = (x, jnp.asarray(ids)) if traced else (x,)
+                        if backward:
+                            operands = (*operands, ct)
                         thunks = {
                             s: functools.partial(_function(s, ids, m, traced, backward), *operands)
                             for s in SYSTEMS
                         }
                         timings, outs = measure.time_in_turns(thunks, args.repeats)
                         ms = {s: t.median_s * 1e3 for s, t in timings.items()}
-                        difference = measure.relative_error(
-                            measure.to_numpy(outs["jaxcsr"]), measure.to_numpy(outs["jax.ops"])
+                        difference = max(
+                            measure.relative_error(measure.to_numpy(a), measure.to_numpy(b))
+                            for a, b in zip(
+                                jax.tree_util.tree_leaves(outs["jaxcsr"]),
+                                jax.tree_util.tree_leaves(outs["jax.ops"]),
+                                strict=True,
+                            )
                         )
                         row = {
                             "rows": m, "ids": k, "n": n,
