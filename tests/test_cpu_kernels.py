@@ -33,6 +33,7 @@ from reference import (
 
 import jaxcsr
 from jaxcsr import CSRMatrix
+from jaxcsr.dtypes import product_dtype
 from jaxcsr.kernels import cpu, xla
 
 PROGRAMS = Path(__file__).parent / "programs"  # scripts the tests run in a subprocess
@@ -510,7 +511,7 @@ def test_gather_stores_give_the_same_bits(rng, how):
     """The row gather ``y[ids]`` (the segment sum's backward) and the feature-major one
     ``ct[:, ids]`` (``values @ A.T``'s) copy through the caches or past them
     (non-temporal stores: large outputs into resident pages): forced either way, and
-    as the kernel decides, each is a copy bit for bit -- rows of 16 to 272 bytes
+    as the kernel decides, each is a copy bit for bit -- rows of 32 to 272 bytes
     (streamed from 32 bytes on, in 16-byte units), feature rows of 2- and 4-byte values
     at every alignment, an odd count of rows over the threads, and traced ids outside
     the rows (zeros)."""
@@ -528,7 +529,7 @@ def test_gather_stores_give_the_same_bits(rng, how):
                 jnp.zeros((k, y.shape[1]), y.dtype),
             )[1](y)[0]
         )
-        widths = [(np.float16, 8), (np.float32, 8), (np.float32, 12), (np.float32, 16)]
+        widths = [(np.float16, 16), (np.float32, 8), (np.float32, 12), (np.float32, 16)]
         widths += [(np.float32, 68), (jnp.bfloat16, 16), (jnp.bfloat16, 40)]
         for dtype, f in widths:
             y = random_values(rng, (m, f)).astype(dtype)
@@ -1173,3 +1174,26 @@ def test_values_per_head_run_one_native_pull_with_the_per_head_bits(rng, dtype):
             np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=name)
         dense = dense_of(A.with_data(np.asarray(w[:, 1], np.float64)))
         assert_close(got[0][:, 1], dense @ np.asarray(x[:, 1], np.float64), dtype)
+
+
+def test_row_gathers_of_narrow_rows_run_xlas_gather(rng):
+    """The segment sum's backward (``ct[ids]``, times the values if any) runs XLA's
+    gather for rows under 32 bytes and the native gather from 32 bytes on; both give
+    float64's answer rounded once (unweighted: the values themselves)."""
+    ids = power_law_ids(rng, 5000, 300)
+    data = random_values(rng, 5000).astype(np.float32)
+    for A in (CSRMatrix.from_indices(ids, 300), CSRMatrix.from_indices(ids, 300, data=data)):
+        G = A.T
+        for n, dtype, native in ((1, np.float32, False), (4, np.float32, False),
+                                 (8, np.float32, True), (8, jnp.bfloat16, False),
+                                 (16, jnp.bfloat16, True)):  # fmt: skip
+            itemsize = product_dtype(dtype, A.dtype).itemsize  # float32 values: float32
+            native = native or itemsize * n >= 32
+            assert (cpu.choose(G.structure, n, itemsize).kernel == "gather") == native
+            ct = jnp.asarray(random_values(rng, (300, n)), dtype)
+            f = jax.jit(lambda G, c: G @ c)
+            assert ("jaxcsr_cpu_gather" in f.lower(G, ct).as_text()) == native, (n, dtype)
+            want = dense_of(G) @ np.asarray(ct, np.float64)
+            assert_close(f(G, ct), want, dtype)
+            if A.dtype is None:  # copies: the same bits as the values
+                np.testing.assert_array_equal(np.asarray(f(G, ct)), np.asarray(ct)[ids])

@@ -258,7 +258,7 @@ class Strategy:
     """What a native product runs and why (:func:`choose`).
 
     Attributes:
-      kernel: ``"gather"``, ``"push"`` or ``"pull"``.
+      kernel: ``"gather"``, ``"push"``, ``"pull"``, or ``"xla"`` (XLA's own op).
       reason: one sentence on why, with the sizes it read.
       pieces: the push's pieces for unsorted ids (the order rows are reduced in;
         0 where no push is in question).
@@ -310,8 +310,16 @@ def choose(
     - Four pieces: the push.
 
     Ids planned on the device push: they have no sort to pull through.
+
+    One entry per row (the segment sum's backward, ``ct[ids]``): the native gather,
+    but for row-major rows under 32 bytes, which XLA's gather copies faster (the same
+    bits: each value copied, times its value in float32): measured in
+    ``benchmarks/results/cpu-xeon-avx512/random_graphs/``.
     """
     if view.one_per_row:
+        row_bytes = None if n_features is None else n_features * itemsize
+        if row_bytes is not None and row_bytes < _NARROW_GATHER_BYTES and not feature_major:
+            return Strategy("xla", f"one entry per row, rows of {row_bytes} bytes: XLA's gather")
         return Strategy("gather", "one entry per row: rows copied (times their value)")
     if not view.one_per_column or view.sorted_ids:
         return Strategy("pull", "entries stored by row: each row reduced where it is")
@@ -337,6 +345,9 @@ def choose(
     return Strategy(
         "pull", f"one piece ({m} rows, {n} ids): the pull through the sort, same order", 1
     )
+
+
+_NARROW_GATHER_BYTES = 32  # row gathers of rows narrower than this: XLA's gather
 
 
 # Where static unsorted ids in two pieces run the pull instead of the push: in the
@@ -365,6 +376,8 @@ def _pull_over_two_pieces(m: int, n: int, n_features: int, itemsize: int) -> str
 
 def describe(view: Structure, n_features: int | None = None) -> dict[str, str]:
     chosen = choose(view, n_features)
+    if chosen.kernel == "xla":
+        return {"cpu": f"XLA ({chosen.reason})"}
     stores = ""
     if chosen.kernel == "gather":  # the only choice that reads the machine profile
         stores = f"; outputs from {profile().stream_bytes / 2**20:g} MiB stored past the caches"
@@ -426,14 +439,20 @@ def product(
     reduction = np.int64(_REDUCE[reduce])
     if data is not None and data.ndim == 2:  # heads: the pull in CSR order only
         assert not feature_major and takes_heads(view, platform, x.dtype, data.dtype, out_dtype)
+    width = x.shape[0] if feature_major else x.shape[1]
+    chosen = choose(view, width, dtype.itemsize, feature_major)
+    if chosen.kernel == "xla":  # narrow rows of a row gather
+        return xla.product(
+            x, data, view, None, reduce=reduce, out_dtype=out_dtype, interpret=False,
+            platform=platform,
+        )  # fmt: skip
     if view.one_per_row:  # y[i] = data_i * x[col_i]: a row gather, no reduction
         values = none if data is None else view.row_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_gather", result)
         cols = view.row_of_col.astype(jnp.int32)  # empty rows (past n, padded: < 0): 0
         stream = np.int64(profile().stream_bytes)
         return call(cols, values, x, stores=np.int64(_GATHER_STORES), stream_bytes=stream, **attrs)
-    width = x.shape[0] if feature_major else x.shape[1]
-    if choose(view, width, dtype.itemsize, feature_major).kernel == "push":
+    if chosen.kernel == "push":
         values = none if data is None else view.column_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_push", result)
         return call(view.indptr, view.row_of_col, values, x, reduce=reduction, **attrs)
