@@ -153,7 +153,11 @@ def product(
     if (
         data is not None
         and data.ndim == 2
-        and (feature_major or params["reduce"] != "sum" or x.shape[1] % data.shape[1])
+        and (
+            feature_major
+            or params["reduce"] != "sum"
+            or (x.shape[1] % data.shape[1] if data.shape[1] else x.shape[1])  # 0 heads: 0 wide
+        )
     ):
         raise ValueError("values per head: row-major sums over H equal blocks of features")
     if feature_major and params["reduce"] != "sum":
@@ -561,9 +565,10 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
     if data is not None and ad.is_undefined_primal(data):  # the sampled product
         ct_rows, x_rows = (ct.T, x.T) if params["feature_major"] else (ct, x)
         heads = data.aval.shape[1] if len(data.aval.shape) == 2 else 1
+        width = ct_rows.shape[1] // heads if heads else 0  # no -1: arrays may be empty
         sampled = sample(
-            ct_rows.reshape(ct_rows.shape[0], heads, -1),
-            x_rows.reshape(x_rows.shape[0], heads, -1),
+            ct_rows.reshape(ct_rows.shape[0], heads, width),
+            x_rows.reshape(x_rows.shape[0], heads, width),
             behind_barrier(index),
             out_dtype=data.aval.dtype,
         )
