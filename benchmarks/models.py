@@ -4,7 +4,11 @@ and of ``benchmarks/hardware/on_tpu.py``.
 
 Each builder returns ``(name, systems, None)``, ``systems`` mapping a system to a
 jitted step and its arguments; :func:`run` times the systems of each step in turns
-and checks that they agree (the loss each step returns).
+and checks that they agree (the loss each step returns). With ``floor=True`` a
+builder adds the system :data:`FLOOR`: the same step with every call jaxcsr replaces
+swapped for a stand-in of the same shapes that reduces nothing (a slice, an
+elementwise map). Its time is what the step costs without aggregation, so
+``jax.ops ms / floor ms`` is the largest speedup a faster aggregation could give.
 
 * ``gcn step``: a two-layer GCN (hidden 128) on a graph's normalised adjacency,
   aggregated by jaxcsr, by ``jax.ops.segment_sum`` of weighted gathered rows, and by
@@ -32,6 +36,19 @@ from benchmarks.datasets import load_graph, padded_molecules
 from benchmarks.systems import jax_ops_softmax, jax_sparse_twins
 from jaxcsr import CSRMatrix, segment_softmax, segment_sum
 
+FLOOR = "no aggregation"
+"""The stand-in system of a step without its aggregation (not a peer: :func:`run`
+reports it as the step's floor)."""
+
+
+def _no_reduction(values, ids, num_segments):
+    """Stand-in for a segment reduction: the first ``num_segments`` rows of ``values``
+    (zero-padded), the shape of the sum without reducing anything; ``ids`` unused."""
+    del ids
+    rows = min(num_segments, values.shape[0])
+    pad = [(0, num_segments - rows)] + [(0, 0)] * (values.ndim - 1)
+    return jnp.pad(values[:rows], pad)
+
 
 def _gcn_step(aggregate, params, x, labels):
     """One SGD step of a two-layer GCN; ``aggregate(h)`` is ``Â @ h``."""
@@ -45,8 +62,10 @@ def _gcn_step(aggregate, params, x, labels):
     return value, jax.tree.map(lambda w, g: w - 0.1 * g, params, grads)
 
 
-def gcn_step(g, adj, rng: np.random.Generator, hidden: int = 128, classes: int = 2):
-    """``(workload, systems, None)`` for the GCN training step on graph ``g``."""
+def gcn_step(g, adj, rng: np.random.Generator, hidden: int = 128, classes: int = 2,
+             floor: bool = False):  # fmt: skip
+    """``(workload, systems, None)`` for the GCN training step on graph ``g``; with
+    ``floor``, also :data:`FLOOR` (``Â @ h`` replaced by ``h``)."""
     m = g.num_nodes
     coo = adj.tocoo()
     src, dst = jnp.asarray(coo.col, jnp.int32), jnp.asarray(coo.row, jnp.int32)
@@ -64,6 +83,8 @@ def gcn_step(g, adj, rng: np.random.Generator, hidden: int = 128, classes: int =
         "jax.ops": lambda h: jax.ops.segment_sum(w * h[src], dst, m),
         "bcsr": lambda h: bcsr @ h,
     }
+    if floor:
+        aggregators[FLOOR] = lambda h: h
     systems = {
         name: (jax.jit(lambda p, a=agg: _gcn_step(a, p, x, labels)), (params,))
         for name, agg in aggregators.items()
@@ -80,10 +101,12 @@ def _jraph_batch(rng: np.random.Generator, graphs: int, nodes: int, edges: int):
     return jnp.asarray(senders, jnp.int32), jnp.asarray(receivers, jnp.int32)
 
 
-def jraph_step(rng: np.random.Generator, graphs=64, nodes=512, edges=4096, hidden=128):
+def jraph_step(rng: np.random.Generator, graphs=64, nodes=512, edges=4096, hidden=128,
+               floor: bool = False):  # fmt: skip
     """``(workload, systems, None)``: a message-passing training step on a padded
     batch (jraph's ``GraphNetwork`` pattern: edge MLP on sender and receiver
-    features, sum to receivers, node MLP), ids as jit arguments."""
+    features, sum to receivers, node MLP), ids as jit arguments; with ``floor``, also
+    :data:`FLOOR`."""
     n = graphs * nodes + 1  # jraph pads with one extra node
     senders, receivers = _jraph_batch(rng, graphs, nodes, edges)
     params = {
@@ -103,19 +126,25 @@ def jraph_step(rng: np.random.Generator, graphs=64, nodes=512, edges=4096, hidde
         value, grads = jax.value_and_grad(loss)(p)
         return value, jax.tree.map(lambda w, g: w - 0.1 * g, p, grads)
 
+    segments = {"jaxcsr": segment_sum, "jax.ops": jax.ops.segment_sum}
+    if floor:
+        segments[FLOOR] = _no_reduction
     systems = {
         name: (jax.jit(functools.partial(step, fn)), (params, senders, receivers))
-        for name, fn in (("jaxcsr", segment_sum), ("jax.ops", jax.ops.segment_sum))
+        for name, fn in segments.items()
     }
     return "jraph step", systems, None
 
 
-def gat_step(g, rng: np.random.Generator, heads: int = 8, hidden: int = 8, n_in: int = 64):
+def gat_step(g, rng: np.random.Generator, heads: int = 8, hidden: int = 8, n_in: int = 64,
+             floor: bool = False):  # fmt: skip
     """``(workload, systems, None)``: one training step of a two-layer GAT (``heads``
     x ``hidden`` attention, then one head over 2 classes) on random ``(m, n_in)``
     features: jaxcsr's ``edge_softmax`` and per-head products against the jax.ops
     composition (``segment_max``, ``exp``, ``segment_sum``, ``segment_sum`` of the
-    weighted messages) on the same edges."""
+    weighted messages) on the same edges. With ``floor``, also :data:`FLOOR`: the
+    softmax and products replaced by ``wh`` scaled by the mean edge score (so the
+    per-edge score gathers still run)."""
     m = g.num_nodes
     A = CSRMatrix.from_coo(g.dst, g.src, shape=(m, m))
     order = np.asarray(A.input_order)
@@ -158,9 +187,11 @@ def gat_step(g, rng: np.random.Generator, heads: int = 8, hidden: int = 8, n_in:
         value, grads = jax.value_and_grad(loss)(p)
         return value, jax.tree.map(lambda w, gr: w - 0.1 * gr, p, grads)
 
+    attends = {"jaxcsr": attend_jaxcsr, "jax.ops": attend_ops}
+    if floor:
+        attends[FLOOR] = lambda wh, scores: wh * jnp.mean(scores, 0)[:, None]
     systems = {
-        name: (jax.jit(functools.partial(step, fn)), (params,))
-        for name, fn in (("jaxcsr", attend_jaxcsr), ("jax.ops", attend_ops))
+        name: (jax.jit(functools.partial(step, fn)), (params,)) for name, fn in attends.items()
     }
     return f"gat step ({heads}x{hidden})", systems, None
 
@@ -170,12 +201,13 @@ MOLECULES, MOLECULE_NODES, MOLECULE_EDGES = 64, 64 * 40 + 64, 64 * 2 * 48
 of 10-40 atoms with 1-8 extra bonds, and room for the padding."""
 
 
-def molecule_step(rng: np.random.Generator, features: int = 64):
+def molecule_step(rng: np.random.Generator, features: int = 64, floor: bool = False):
     """``(workload, systems, None)``: a training step of a two-layer attention
     message-passing network on a padded batch of molecules whose ids are jit arguments
     (a jraph batch): per-edge scores, ``segment_softmax`` over receivers, weighted
     ``segment_sum``, then a sum-pool per graph; jaxcsr's functions against jax.ops'
-    (the softmax as its composition) with the same arguments."""
+    (the softmax as its composition) with the same arguments. With ``floor``, also
+    :data:`FLOOR` (sums as :func:`_no_reduction`, the softmax as a sigmoid)."""
     batch = padded_molecules(rng, MOLECULES, (10, 41), (1, 9), MOLECULE_NODES, MOLECULE_EDGES)
     senders, receivers, graph_of_node = (jnp.asarray(a) for a in batch)
     n = MOLECULE_NODES
@@ -211,6 +243,9 @@ def molecule_step(rng: np.random.Generator, features: int = 64):
         "jaxcsr": (jax.jit(functools.partial(step, segment_sum, segment_softmax)), args),
         "jax.ops": (jax.jit(functools.partial(step, jax.ops.segment_sum, jax_ops_softmax)), args),
     }
+    if floor:
+        stand_in = functools.partial(step, _no_reduction, lambda x, r, n: jax.nn.sigmoid(x))
+        systems[FLOOR] = (jax.jit(stand_in), args)
     return f"molecule step ({MOLECULES} graphs, N={features})", systems, None
 
 
@@ -227,17 +262,18 @@ BATCHES = ("jraph", "molecule")
 
 def steps(graphs: dict[str, tuple[str, ...]], batches: tuple[str, ...], rng):
     """The steps to run: per graph name, its models (``"gcn"``, ``"gat"``), then the
-    padded ``batches`` (``"jraph"``, ``"molecule"``). Yields ``(graph name, step)``."""
+    padded ``batches`` (``"jraph"``, ``"molecule"``), each with its :data:`FLOOR`.
+    Yields ``(graph name, step)``."""
     for name, models in graphs.items():
         g = load_graph(name)
         if "gcn" in models:
-            yield g.name, gcn_step(g, g.normalized_adjacency(), rng)
+            yield g.name, gcn_step(g, g.normalized_adjacency(), rng, floor=True)
         if "gat" in models:
-            yield g.name, gat_step(g, rng)
+            yield g.name, gat_step(g, rng, floor=True)
     if "jraph" in batches:
-        yield "padded batch", jraph_step(rng)
+        yield "padded batch", jraph_step(rng, floor=True)
     if "molecule" in batches:
-        yield "padded batch", molecule_step(rng)
+        yield "padded batch", molecule_step(rng, floor=True)
 
 
 def run(
@@ -249,14 +285,17 @@ def run(
 ) -> list[dict[str, Any]]:
     """Times every step's systems in turns (medians of ``repeats`` rounds, each system
     stepping from the same parameters): one row per step, with each system's ms, the
-    speedup of jaxcsr over each peer and the largest relative loss difference."""
+    speedup of jaxcsr over each peer, the largest relative loss difference, the
+    step's :data:`FLOOR` (``floor_ms``) and ``ceiling``, the speedup over the jax.ops
+    model that an aggregation taking no time would give."""
     rows = []
     rng = np.random.default_rng(seed)
     for graph, (name, systems, _) in steps(graphs, batches, rng):
         thunks = {k: functools.partial(fn, *args) for k, (fn, args) in systems.items()}
         timings, outs = measure.time_in_turns(thunks, repeats)
         ms = {k: t.median_s * 1e3 for k, t in timings.items()}
-        loss = {k: float(out[0]) for k, out in outs.items()}
+        floor_ms = ms.pop(FLOOR)
+        loss = {k: float(out[0]) for k, out in outs.items() if k != FLOOR}
         row = {
             "graph": graph,
             "model": name,
@@ -265,8 +304,13 @@ def run(
             "loss_difference": max(
                 abs(v - loss["jaxcsr"]) / max(1.0, abs(loss["jaxcsr"])) for v in loss.values()
             ),
+            "floor_ms": floor_ms,
+            "ceiling": ms["jax.ops"] / floor_ms,
         }
         rows.append(row)
         shown = ", ".join(f"{k} {v:.2f} ms" for k, v in ms.items())
-        progress(f"{graph} {name}: {shown}; loss difference {row['loss_difference']:.1e}")
+        progress(
+            f"{graph} {name}: {shown}, {FLOOR} {floor_ms:.2f} ms; "
+            f"loss difference {row['loss_difference']:.1e}"
+        )
     return rows

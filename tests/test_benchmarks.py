@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import os
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
@@ -67,6 +69,22 @@ def test_quick_benchmark_writes_checked_results(tmp_path, capsys):
     ]  # fmt: skip
     assert all(m["loss_difference"] < 1e-5 and set(m["speedup"]) >= {"jax.ops"} for m in models)
     assert "## Whole training steps" in (tmp_path / "results.md").read_text()
+    # each step's floor is timed beside it, not reported as a peer
+    assert all("no aggregation" not in m["ms"] and m["floor_ms"] > 0 for m in models)
+    assert all(m["ceiling"] == pytest.approx(m["ms"]["jax.ops"] / m["floor_ms"]) for m in models)
+
+
+def test_floor_stand_in_keeps_the_sum_s_shape():
+    from benchmarks.models import _no_reduction
+
+    rng = np.random.default_rng(3)
+    ids = jnp.asarray(rng.integers(0, 5, 7))
+    for rows, segments in ((7, 5), (3, 5)):  # more values than segments, and fewer
+        values = jnp.asarray(rng.uniform(-1, 1, (rows, 4)), jnp.float32)
+        want = jax.ops.segment_sum(values, ids[:rows], segments)
+        got = _no_reduction(values, ids[:rows], segments)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        np.testing.assert_array_equal(got[: min(rows, segments)], values[:segments])
 
 
 def _row(ours, **peers):
