@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 
 import jax
 import jax.numpy as jnp
@@ -246,6 +247,29 @@ def test_busy_core_study(tmp_path):
     assert len(result["rows"]) == 8  # static and traced, fwd and fwd+bwd, quiet and busy
     assert all(r["max_relative_difference"] < 1e-5 for r in result["rows"])
     assert "| cora shuffled | 4 | traced | fwd+bwd |" in (tmp_path / "busy_core.md").read_text()
+
+
+def test_studies_backward_is_computed_at_run_time():
+    """Static ids, fwd+bwd: jax.ops' gradient (a gather of the cotangent by the ids)
+    must stay in the compiled program; a closed-over cotangent let XLA fold it into a
+    constant, and the study timed nothing."""
+    from benchmarks.studies import busy_core, random_graphs
+
+    rng = np.random.default_rng(5)
+    ids = rng.integers(0, 50, 300).astype(np.int32)
+    x = jnp.asarray(rng.standard_normal((300, 4)), jnp.float32)
+    ct = jnp.asarray(rng.standard_normal((50, 4)), jnp.float32)
+    for fn in (
+        busy_core._functions(ids, 50, False, True)["jax.ops"],
+        random_graphs._function("jax.ops", ids, 50, False, True),
+    ):
+        hlo = fn.lower(x, ct).compile().as_text()
+        assert re.search(r"= \S+ gather\(", hlo), hlo  # an instruction, not metadata
+        out, grad = fn(x, ct)
+        want = np.zeros((50, 4))
+        np.add.at(want, ids, np.asarray(x, np.float64))
+        np.testing.assert_allclose(out, want, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(grad, np.asarray(ct)[ids], rtol=1e-6)
 
 
 def test_jax_systems_take_their_index_arrays_as_arguments():

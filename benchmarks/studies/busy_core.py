@@ -6,7 +6,8 @@ spinning on core 0 (``os.sched_setaffinity``; the timed process may run anywhere
 Systems: jaxcsr as it chooses, the same on one thread (``cpu.threads(1)``: what one
 core's share is worth), jaxcsr's XLA path (``impl="xla"``) and
 ``jax.ops.segment_sum``, all jitted, forward and forward + backward, on static ids
-(planned once on the host) and traced ids (planned per call). Structures: a real
+(planned once on the host) and traced ids (planned per call); forward + backward
+returns the output and the values' gradient for a cotangent passed in. Structures: a real
 graph's destinations shuffled, and uniform random ids. Writes ``busy_core.json`` and
 ``busy_core.md`` to ``--out``; each row records the largest relative difference of a
 system's output from jax.ops'.
@@ -51,7 +52,10 @@ def busy_core(busy: bool):
 
 
 def _functions(ids: np.ndarray, m: int, traced: bool, backward: bool) -> dict:
-    """System -> a jitted function of the values (and the ids where ``traced``)."""
+    """System -> a jitted function of the values (and the ids where ``traced``; and the
+    output's cotangent with ``backward``: the output and the values' gradient). The
+    cotangent is an argument: closed over, with static ids, XLA would fold jax.ops'
+    whole gradient (a gather of two constants) into a constant at compile time."""
     ops = {
         "jaxcsr": lambda v, i: jaxcsr.segment_sum(v, i, m),
         "jaxcsr xla": lambda v, i: jaxcsr.segment_sum(v, i, m, impl="xla"),
@@ -59,12 +63,17 @@ def _functions(ids: np.ndarray, m: int, traced: bool, backward: bool) -> dict:
     }
     ops = {"jaxcsr": ops["jaxcsr"], "jaxcsr 1 thread": ops["jaxcsr"], **ops}
     fns = {}
-    ct = jnp.asarray(np.random.default_rng(1).standard_normal((m, 1)), jnp.float32)
+    constant = np.asarray(ids)
     for name, op in ops.items():
-        if backward:
-            op = jax.grad(lambda v, i, op=op: jnp.sum(op(v, i) * ct))
+
+        def run(v, i, *ct, op=op):
+            if not backward:
+                return op(v, i)
+            out, pullback = jax.vjp(lambda v: op(v, i), v)
+            return out, pullback(ct[0])[0]
+
         # a new function each: jit's cache must not hand one system another's program
-        fn = jax.jit(lambda *a, op=op: op(*a) if traced else op(*a, ids))
+        fn = jax.jit(run) if traced else jax.jit(lambda v, *ct, run=run: run(v, constant, *ct))
         if name == "jaxcsr 1 thread":  # the cap is read when the product is traced
             fn = functools.partial(_traced_on_one_thread, fn)
         fns[name] = fn
@@ -98,10 +107,13 @@ def main(argv=None) -> dict:
         ids = ids.astype(np.int32)
         for n in (int(f) for f in args.features.split(",")):
             x = jnp.asarray(rng.standard_normal((len(ids), n)), jnp.float32)
+            ct = jnp.asarray(rng.standard_normal((m, n)), jnp.float32)
             for traced in (False, True):
                 for backward in (False, True):
                     fns = _functions(ids, m, traced, backward)
                     operands = (x, jnp.asarray(ids)) if traced else (x,)
+                    if backward:
+                        operands = (*operands, ct)
                     for f in fns.values():
                         jax.block_until_ready(f(*operands))  # compiled before timing
                     cells.append((label, m, len(ids), n, traced, backward, fns, operands))
@@ -112,9 +124,11 @@ def main(argv=None) -> dict:
                 thunks = {s: functools.partial(f, *operands) for s, f in fns.items()}
                 timings, outs = measure.time_in_turns(thunks, args.repeats)
                 ms = {s: t.median_s * 1e3 for s, t in timings.items()}
-                expected = measure.to_numpy(outs["jax.ops"])
+                expected = jax.tree_util.tree_leaves(outs["jax.ops"])
                 difference = max(
-                    measure.relative_error(measure.to_numpy(out), expected) for out in outs.values()
+                    measure.relative_error(measure.to_numpy(a), measure.to_numpy(b))
+                    for out in outs.values()
+                    for a, b in zip(jax.tree_util.tree_leaves(out), expected, strict=True)
                 )
                 row = {
                     "structure": label, "rows": m, "ids": k, "n": n,
