@@ -564,7 +564,8 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
         cts[0] = x_ct.astype(x.aval.dtype)
     if data is not None and ad.is_undefined_primal(data):  # the sampled product
         ct_rows, x_rows = (ct.T, x.T) if params["feature_major"] else (ct, x)
-        heads = data.aval.shape[1] if len(data.aval.shape) == 2 else 1
+        per_head = len(data.aval.shape) == 2  # values (nnz, H)
+        heads = data.aval.shape[1] if per_head else 1
         width = ct_rows.shape[1] // heads if heads else 0  # no -1: arrays may be empty
         sampled = sample(
             ct_rows.reshape(ct_rows.shape[0], heads, width),
@@ -572,7 +573,7 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
             behind_barrier(index),
             out_dtype=data.aval.dtype,
         )
-        sampled = sampled if len(data.aval.shape) == 2 else sampled[:, 0]
+        sampled = sampled if per_head else sampled[:, 0]
         cts[1] = s.transpose_values(sampled) if flipped else sampled
     return cts
 
