@@ -334,6 +334,31 @@ JAXCSR_INLINE f32x8 load8f(const float* x, int64_t w) {
   return v;
 }
 
+// y[0:w] = v[0:w] for w < 8 floats, from registers: a half of 4, a pair, then one. The
+// lane loop it replaces compiled to a spill of v and a copy of 4 w bytes by overlapping
+// 8-byte moves, whose loads straddle the spilled vector's 16-byte halves and wait for
+// the spill to reach the cache: a stall at the end of every row shorter than a vector
+// (the timings: benchmarks/results/cpu-xeon-avx512/README.md).
+typedef float f32x4 __attribute__((vector_size(16)));
+typedef float f32x2 __attribute__((vector_size(8)));
+JAXCSR_INLINE void store_partial8(float* y, f32x8 v, int64_t w) {
+  f32x4 half = __builtin_shufflevector(v, v, 0, 1, 2, 3);
+  if (w >= 4) {
+    std::memcpy(y, &half, sizeof half);
+    half = __builtin_shufflevector(v, v, 4, 5, 6, 7);
+    y += 4;
+    w -= 4;
+  }
+  if (w >= 2) {
+    const f32x2 pair = __builtin_shufflevector(half, half, 0, 1);
+    std::memcpy(y, &pair, sizeof pair);
+    half = __builtin_shufflevector(half, half, 2, 3, 2, 3);
+    y += 2;
+    w -= 2;
+  }
+  if (w >= 1) y[0] = half[0];
+}
+
 // y[0:min(w, 8)] = v in the output dtype (bfloat16: round to nearest even, as
 // f32_to_bf16, eight at a time).
 template <typename Out>
@@ -352,7 +377,11 @@ JAXCSR_INLINE void store8(typename Out::Storage* y, f32x8 v, int64_t w) {
       return;
     }
   }
-  for (int l = 0; l < (w < 8 ? w : 8); ++l) y[l] = Out::store(v[l]);
+  if constexpr (std::is_same<Out, F32>::value) {
+    store_partial8(y, v, w);
+  } else {
+    for (int l = 0; l < (w < 8 ? w : 8); ++l) y[l] = Out::store(v[l]);
+  }
 }
 
 JAXCSR_INLINE f32x8 max8(f32x8 acc, f32x8 v) {  // NaN propagates, as Max::combine
