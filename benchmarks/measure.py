@@ -247,3 +247,31 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
     err = float(np.abs(actual - expected).max(initial=0.0)) / scale
     return err if np.isfinite(err) else float("inf")
+
+
+def largest_relative_error(actual: Any, expected: Any) -> float:
+    """:func:`relative_error` of each pair of leaves of two outputs of the same
+    structure (an output, or an output and its gradient), the largest."""
+    pairs = zip(jax.tree_util.tree_leaves(actual), jax.tree_util.tree_leaves(expected), strict=True)
+    return max(relative_error(to_numpy(a), to_numpy(b)) for a, b in pairs)
+
+
+def segment_program(op: Callable, ids: np.ndarray, traced: bool, backward: bool):
+    """A new jitted program (jit's cache must not hand one cell's program to another)
+    of ``op(values, ids)``, a study's segment reduction: a function of the values, and
+    of the ids where ``traced`` (else they are closed over, a constant); with
+    ``backward`` also of the output's cotangent, returning the output and the values'
+    gradient. The cotangent is an argument: closed over, with static ids, XLA would
+    fold a scatter's whole gradient (a gather of two constants) into a constant at
+    compile time, and the study would time a copy."""
+
+    def run(v, i, *ct):
+        if not backward:
+            return op(v, i)
+        out, pullback = jax.vjp(lambda v: op(v, i), v)
+        return out, pullback(ct[0])[0]
+
+    if traced:
+        return jax.jit(run)
+    constant = np.asarray(ids)
+    return jax.jit(lambda v, *ct: run(v, constant, *ct))

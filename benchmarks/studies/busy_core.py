@@ -52,10 +52,7 @@ def busy_core(busy: bool):
 
 
 def _functions(ids: np.ndarray, m: int, traced: bool, backward: bool) -> dict:
-    """System -> a jitted function of the values (and the ids where ``traced``; and the
-    output's cotangent with ``backward``: the output and the values' gradient). The
-    cotangent is an argument: closed over, with static ids, XLA would fold jax.ops'
-    whole gradient (a gather of two constants) into a constant at compile time."""
+    """System -> the cell's program (:func:`benchmarks.measure.segment_program`)."""
     ops = {
         "jaxcsr": lambda v, i: jaxcsr.segment_sum(v, i, m),
         "jaxcsr xla": lambda v, i: jaxcsr.segment_sum(v, i, m, impl="xla"),
@@ -63,17 +60,8 @@ def _functions(ids: np.ndarray, m: int, traced: bool, backward: bool) -> dict:
     }
     ops = {"jaxcsr": ops["jaxcsr"], "jaxcsr 1 thread": ops["jaxcsr"], **ops}
     fns = {}
-    constant = np.asarray(ids)
     for name, op in ops.items():
-
-        def run(v, i, *ct, op=op):
-            if not backward:
-                return op(v, i)
-            out, pullback = jax.vjp(lambda v: op(v, i), v)
-            return out, pullback(ct[0])[0]
-
-        # a new function each: jit's cache must not hand one system another's program
-        fn = jax.jit(run) if traced else jax.jit(lambda v, *ct, run=run: run(v, constant, *ct))
+        fn = measure.segment_program(op, ids, traced, backward)
         if name == "jaxcsr 1 thread":  # the cap is read when the product is traced
             fn = functools.partial(_traced_on_one_thread, fn)
         fns[name] = fn
@@ -124,11 +112,8 @@ def main(argv=None) -> dict:
                 thunks = {s: functools.partial(f, *operands) for s, f in fns.items()}
                 timings, outs = measure.time_in_turns(thunks, args.repeats)
                 ms = {s: t.median_s * 1e3 for s, t in timings.items()}
-                expected = jax.tree_util.tree_leaves(outs["jax.ops"])
                 difference = max(
-                    measure.relative_error(measure.to_numpy(a), measure.to_numpy(b))
-                    for out in outs.values()
-                    for a, b in zip(jax.tree_util.tree_leaves(out), expected, strict=True)
+                    measure.largest_relative_error(out, outs["jax.ops"]) for out in outs.values()
                 )
                 row = {
                     "structure": label, "rows": m, "ids": k, "n": n,

@@ -30,23 +30,9 @@ SYSTEMS = ("jaxcsr", "jax.ops")
 
 
 def _function(system: str, ids: np.ndarray, m: int, traced: bool, backward: bool):
-    """A new jitted function (jit's cache must not hand one cell's program to another)
-    of the values (and the ids where ``traced``; and the output's cotangent with
-    ``backward``: the output and the values' gradient). The cotangent is an argument:
-    closed over, with static ids, XLA would fold jax.ops' whole gradient (a gather of
-    two constants) into a constant at compile time."""
+    """The cell's program of ``system`` (:func:`benchmarks.measure.segment_program`)."""
     segment = jaxcsr.segment_sum if system == "jaxcsr" else jax.ops.segment_sum
-
-    def run(v, i, *ct):
-        if not backward:
-            return segment(v, i, m)
-        out, pullback = jax.vjp(lambda v: segment(v, i, m), v)
-        return out, pullback(ct[0])[0]
-
-    if traced:
-        return jax.jit(run)
-    constant = np.asarray(ids)
-    return jax.jit(lambda v, *ct: run(v, constant, *ct))
+    return measure.segment_program(lambda v, i: segment(v, i, m), ids, traced, backward)
 
 
 def main(argv=None) -> dict:
@@ -80,14 +66,7 @@ def main(argv=None) -> dict:
                         }
                         timings, outs = measure.time_in_turns(thunks, args.repeats)
                         ms = {s: t.median_s * 1e3 for s, t in timings.items()}
-                        difference = max(
-                            measure.relative_error(measure.to_numpy(a), measure.to_numpy(b))
-                            for a, b in zip(
-                                jax.tree_util.tree_leaves(outs["jaxcsr"]),
-                                jax.tree_util.tree_leaves(outs["jax.ops"]),
-                                strict=True,
-                            )
-                        )
+                        difference = measure.largest_relative_error(outs["jaxcsr"], outs["jax.ops"])
                         row = {
                             "rows": m, "ids": k, "n": n,
                             "ids_kind": "traced" if traced else "static",
