@@ -373,6 +373,56 @@ def test_narrow_pull_and_one_feature_push_on_any_thread_count(rng, dtype):
     assert_close(every, reduce_reference(A, np.asarray(x, np.float64), "sum")[0], dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
+def test_sum_push_reads_no_row_pointer(rng, dtype):
+    """A sum's push takes no row pointer (its empty rows keep the fill, 0), so traced
+    ids compile to the push alone: no scatter of row counts, no cumulative sum; a max
+    still reads it (empty rows). Traced ids in one piece with dropped ones (negative
+    and past the rows), 1-31 features (1-40 bfloat16), sum and max against float64
+    (float32 also against jax.ops), one thread against all bit for bit; static ids
+    through the same push (pinned), weighted too."""
+    m, k = 80_000, 140_000  # under 2 ids a row: one piece at every width
+    ids = power_law_ids(rng, k, m)
+    rng.shuffle(ids)
+    itemsize = np.dtype(dtype).itemsize
+    widths = (1, 2, 5, 8, 16, 19, 31) if itemsize == 4 else (1, 8, 16, 40)
+    assert all(cpu.push_pieces(m, k, f, itemsize) == 1 for f in widths)
+    A = CSRMatrix.from_indices(ids, m)
+    with cpu.unsorted_kernel("push"):
+        assert all(cpu.choose(A.structure, f, itemsize).kernel == "push" for f in widths)
+        _push_threads_agree(rng, A, dtype, widths[::3])
+        W = CSRMatrix.from_indices(ids, m, data=random_values(rng, k).astype(dtype))
+        _push_threads_agree(rng, W, dtype, widths[:2])
+    dropped = ids.copy()
+    dropped[rng.random(k) < 0.05] = m + 7
+    dropped[rng.random(k) < 0.05] = -3
+    keep = (dropped >= 0) & (dropped < m)
+    for reduce in ("sum", "max"):
+        op = getattr(jaxcsr, f"segment_{reduce}")
+        fn = jax.jit(lambda i, v, op=op: op(v, i, num_segments=m, impl="cpu"))
+        for f in widths[::2]:
+            v = random_values(rng, (k, f)).astype(dtype)
+            with cpu.threads(1):  # traced inside the block
+                one = jax.jit(lambda i, v, op=op: op(v, i, num_segments=m, impl="cpu"))
+                y1 = np.asarray(one(jnp.asarray(dropped), v))
+            y = fn(jnp.asarray(dropped), v)
+            np.testing.assert_array_equal(y1, np.asarray(y))
+            compiled = fn.lower(jnp.asarray(dropped), v).compile().as_text()
+            assert "jaxcsr_cpu_push" in compiled
+            assert (" scatter(" in compiled) == (reduce == "max"), compiled  # the counts
+            v64 = np.asarray(v, np.float64)
+            if reduce == "sum":
+                want = np.zeros((m, f))
+                np.add.at(want, dropped[keep], v64[keep])
+            else:
+                want = np.full((m, f), -np.inf)  # empty segments: -inf, as jax.ops
+                np.maximum.at(want, dropped[keep], v64[keep])
+            assert_close(y, want, dtype)
+            if itemsize == 4:  # jax.ops adds 16-bit values in 16 bits: far off on hub rows
+                ops = getattr(jax.ops, f"segment_{reduce}")(v, jnp.asarray(dropped), m)
+                assert_close(y, np.asarray(ops, np.float64), dtype)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("weighted", [False, True])
 def test_narrow_push_in_pieces_matches_float64_on_any_thread_count(rng, dtype, weighted):

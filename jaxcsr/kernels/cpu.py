@@ -455,7 +455,10 @@ def product(
     if chosen.kernel == "push":
         values = none if data is None else view.column_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_push", result)
-        return call(view.indptr, view.row_of_col, values, x, reduce=reduction, **attrs)
+        # a sum reads no row pointer (its empty rows keep the fill, 0): none is passed,
+        # so traced ids pay for none (XLA drops the unread counts and their scan)
+        indptr = view.indptr if reduce != "sum" else jnp.zeros((0,), jnp.int32)
+        return call(indptr, view.row_of_col, values, x, reduce=reduction, **attrs)
     values = none if data is None else data.astype(dtype).reshape(-1)
     heads = 1 if data is None or data.ndim == 1 else data.shape[1]
     indptr = view.view_indptr()

@@ -163,6 +163,12 @@ JAXCSR_INLINE void store_row(typename Out::Storage* __restrict y, const float* _
   for (int64_t i = 0; i < f; ++i) y[i] = Out::store(acc[i]);
 }
 
+// Whether row r holds no entries (``indptr`` null: a sum's push, which needs no row
+// pointer; its empty rows keep the fill, 0, so none is flagged).
+JAXCSR_INLINE bool empty_row(const int32_t* indptr, int64_t r) {
+  return indptr != nullptr && indptr[r + 1] == indptr[r];
+}
+
 // ------------------------------------------------------------------ the thread pool
 // Runs body(c) for c in [0, chunks): the caller and up to threads - 1 pool tasks claim
 // chunks from one counter; the caller returns once every chunk is done. A task that

@@ -575,7 +575,7 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
       for (int64_t i = lo * f; i < hi * f; ++i) first[i] = Op::combine(first[i], part[i]);
     }
     for (int64_t r = lo; r < hi; ++r)
-      store_row<Out>(y + r * f, first + r * f, f, indptr[r + 1] == indptr[r]);
+      store_row<Out>(y + r * f, first + r * f, f, empty_row(indptr, r));
   });
 }
 
@@ -620,7 +620,7 @@ void push_feature_major(ffi::ThreadPool& pool, int64_t max_threads, const int32_
     for (int64_t i = 0; i < w; ++i) {
       typename Out::Storage* to = y + (f0 + i) * rows;
       for (int64_t r = 0; r < rows; ++r)
-        to[r] = Out::store(indptr[r + 1] == indptr[r] ? 0.0f : acc[r * w + i]);
+        to[r] = Out::store(empty_row(indptr, r) ? 0.0f : acc[r * w + i]);
     }
   });
 }
@@ -736,27 +736,36 @@ ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                        ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce,
                        int64_t feature_major) {
-  const int64_t rows = static_cast<int64_t>(indptr.element_count()) - 1;
-  if (rows < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
+  // A sum needs no row pointer (an empty row's sum is the fill, 0): given empty, the
+  // rows are y's
+  const bool has_indptr = indptr.element_count() > 0;
+  if (!has_indptr && reduce != 0)
+    return ffi::Error::InvalidArgument("jaxcsr cpu: a max/min push needs the row pointer");
   const bool fm = feature_major != 0;
+  if (y->dimensions().size() != 2)
+    return ffi::Error::InvalidArgument("jaxcsr cpu: operand/output shapes do not match");
+  const int64_t rows = has_indptr ? static_cast<int64_t>(indptr.element_count()) - 1
+                                  : y->dimensions()[fm ? 1 : 0];
   if (auto err = check_2d(x, y, rows, fm); err.failure()) return err;
   const int64_t entries = static_cast<int64_t>(ids.element_count());
   const bool has_data = data.element_count() > 0;
-  const int64_t stored = indptr.typed_data()[rows];
-  if (stored < 0 || stored > entries || !valid_indptr(indptr.typed_data(), rows, stored))
-    return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
+  if (has_indptr) {
+    const int64_t stored = indptr.typed_data()[rows];
+    if (stored < 0 || stored > entries || !valid_indptr(indptr.typed_data(), rows, stored))
+      return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
+  }
   const auto [n, f] = entries_and_features(x, fm);
   if (n != entries ||
       (has_data && (static_cast<int64_t>(data.element_count()) != entries ||
                     data.element_type() != x.element_type())))
     return ffi::Error::InvalidArgument("jaxcsr cpu: ids/data/operand do not match");
   return dispatch<PushKernel>(x.element_type(), y->element_type(), reduce, pool, max_threads,
-                              indptr.typed_data(), ids.typed_data(),
+                              has_indptr ? indptr.typed_data() : nullptr, ids.typed_data(),
                               has_data ? data.untyped_data() : nullptr, x.untyped_data(),
                               y->untyped_data(), rows, entries, f, fm);
 }
 
-// The push: (indptr, ids, values or empty, x) -> y, with attributes.
+// The push: (indptr or empty for a sum, ids, values or empty, x) -> y, with attributes.
 auto push_binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
