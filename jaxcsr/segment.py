@@ -441,15 +441,22 @@ def _scattered_extreme_jvp(num_segments, sorted_ids, reduce, primals, tangents):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4, 5))
 def _scattered_value(x, ids, num_segments: int, sorted_ids: bool, reduce: str, planned):
-    """:func:`_scatter_extreme` whose tangent is the planned product's (``planned(x,
-    ids)``, the same function): the scatter where only the value is needed, the plan
-    and its masked-gather backward where a gradient is."""
+    """XLA's scatter (:func:`_scatter_sum`, :func:`_scatter_extreme`) whose tangent is
+    the planned product's (``planned(x, ids)``, the same function), so that its
+    backward is the plan's gather. A max/min: the scatter where only the value is
+    needed, the plan and its masked gather where a gradient is. A sum, linear: the
+    scatter's value and the plan's tangent, whose transpose is the native row gather
+    (its row pointer unread, so never built)."""
+    if reduce == "sum":
+        return _scatter_sum(x, ids, num_segments, sorted_ids)
     return _scatter_extreme(x, ids, num_segments, sorted_ids, reduce)
 
 
 @_scattered_value.defjvp
 def _scattered_value_jvp(num_segments, sorted_ids, reduce, planned, primals, tangents):
     x, ids = primals
+    if reduce == "sum":
+        return _scatter_sum(x, ids, num_segments, sorted_ids), planned(tangents[0], ids)
     return jax.jvp(lambda x: planned(x, ids), (x,), (tangents[0],))
 
 
@@ -460,8 +467,10 @@ def _scatter_on_cpu(x, ids, num_segments, sorted_ids, reduce, return_arg, fill, 
     ``planned`` product's."""
     if ids.dtype.itemsize > 4:  # XLA's CPU scatter would wrap int64 ids into range
         ids = _dropped_as_minus_one(ids, num_segments)
-    if reduce == "sum":
+    if reduce == "sum" and not jnp.issubdtype(x.dtype, jnp.inexact):
         return _scatter_sum(x, ids, num_segments, sorted_ids)
+    if reduce == "sum":  # its backward: the native gather where it is faster
+        return _scattered_value(x, ids, num_segments, sorted_ids, reduce, planned)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         out = _scatter_extreme(x, ids, num_segments, sorted_ids, reduce)
     elif kernels.traced_scatters_on_cpu(reduce, *x.shape, x.dtype, gradient=True):
@@ -487,9 +496,9 @@ def _traced_on_cpu(data, segment_ids, num_segments, sorted_ids, mode, axis, redu
     x = jnp.moveaxis(data, axis, 0)
     rest = x.shape[1:]
     width = int(np.prod(rest))
-    if not kernels.traced_scatters_on_cpu(reduce, x.shape[0], width, x.dtype):
-        return None
     ids, m = _traced_ids(segment_ids, num_segments, _mode_argument(mode))
+    if not kernels.traced_scatters_on_cpu(reduce, x.shape[0], width, x.dtype, num_segments=m):
+        return None
     _check_length(x, 0, ids.shape[0])
     if m == 0 or x.shape[0] == 0:
         return None  # the planned path's constant result

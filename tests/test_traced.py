@@ -679,6 +679,50 @@ def test_traced_scatter_rule_and_its_sums():
         np.testing.assert_allclose(np.asarray(out, np.float64), want, rtol=1e-2)
 
 
+def test_traced_sums_that_would_push_on_one_thread_scatter(rng):
+    """A float32 sum of traced ids past the size bound still scatters where the native
+    push would run on one thread (one piece, rows under two 64-byte lines): few ids per
+    segment. Many ids per segment (pieces), wide rows (feature blocks over the threads)
+    and 16-bit values keep the kernel. Compiled for the full sizes; the values checked
+    on small ones."""
+    from jaxcsr.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("the rule needs the built library (push_pieces)")
+    big = 2_000_000
+    assert cpu.push_runs_on_one_thread(1_000_000, big, 16, 4)
+    assert not cpu.push_runs_on_one_thread(10_000, big, 16, 4)  # four pieces
+    assert not cpu.push_runs_on_one_thread(1_000_000, big, 32, 4)  # two feature blocks
+    cases = {  # (segments, width, dtype): scatters
+        (1_000_000, 16, jnp.float32): True,
+        (1_000_000, 31, jnp.float32): True,
+        (10_000, 16, jnp.float32): False,
+        (1_000_000, 64, jnp.float32): False,
+        (1_000_000, 16, jnp.bfloat16): False,
+    }
+    for (m, width, dtype), scatters in cases.items():
+        assert not cpu.traced_scatters("sum", big, width, dtype)  # past the size bound
+        assert cpu.traced_scatters("sum", big, width, dtype, num_segments=m) == scatters
+        f = jax.jit(lambda x, ids, m=m: jaxcsr.segment_sum(x, ids, m))
+        compiled = (
+            f.lower(
+                jax.ShapeDtypeStruct((big, width), dtype), jax.ShapeDtypeStruct((big,), jnp.int32)
+            )
+            .compile()
+            .as_text()
+        )
+        assert ("jaxcsr_cpu_push" in compiled) == (not scatters), (m, width, dtype)
+        assert (" scatter(" in compiled) == scatters  # the push builds no row counts
+    m, size = 5000, 7000
+    ids = rng.integers(-2, m + 3, size).astype(np.int32)
+    x = jnp.asarray(random_values(rng, (size, 16)), jnp.float32)
+    keep = (ids >= 0) & (ids < m)
+    want = np.zeros((m, 16))
+    np.add.at(want, ids[keep], np.asarray(x, np.float64)[keep])
+    assert cpu.push_runs_on_one_thread(m, size, 16, 4)
+    assert_close(jax.jit(lambda x, i: jaxcsr.segment_sum(x, i, m))(x, ids), want, np.float32)
+
+
 def _extreme_reference(x: np.ndarray, ids: np.ndarray, m: int, reduce: str):
     """float64 max/min per segment (``nan`` for empty ones), the first position
     attaining each (``len(x)`` for empty ones), and the gradient of ``sum(out * ct)``."""

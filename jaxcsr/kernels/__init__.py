@@ -424,8 +424,10 @@ def resolve_backends(backends: Any) -> tuple[str, ...]:
 
 
 def traced_scatters_on_cpu(
-    reduce: str, num_ids: int, width: int, dtype: Any, gradient: bool = False
-) -> bool:
+    reduce: str, num_ids: int, width: int, dtype: Any, gradient: bool = False,
+    num_segments: int | None = None,
+) -> bool:  # fmt: skip
     """Whether ``segment_<reduce>`` of traced ids (``gradient``: a max/min's gradient)
-    lowers to XLA's scatter on CPU (:func:`jaxcsr.kernels.cpu.traced_scatters`)."""
-    return cpu.traced_scatters(reduce, num_ids, width, dtype, gradient)
+    into ``num_segments`` segments lowers to XLA's scatter on CPU
+    (:func:`jaxcsr.kernels.cpu.traced_scatters`)."""
+    return cpu.traced_scatters(reduce, num_ids, width, dtype, gradient, num_segments)

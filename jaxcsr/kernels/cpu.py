@@ -100,6 +100,7 @@ __all__ = [
     "threads",
     "unsorted_kernel",
     "traced_scatters",
+    "push_runs_on_one_thread",
 ]
 
 TRACED_SCATTER_MAX_WIDTH = {
@@ -119,8 +120,9 @@ features scatters at any width: the plan's fixed cost is not repaid."""
 
 
 def traced_scatters(
-    reduce: str, num_ids: int, width: int, dtype: Any = np.float32, gradient: bool = False
-) -> bool:
+    reduce: str, num_ids: int, width: int, dtype: Any = np.float32, gradient: bool = False,
+    num_segments: int | None = None,
+) -> bool:  # fmt: skip
     """Whether a segment ``reduce`` (``"sum"``, ``"max"``, ``"min"``) of traced ids runs
     XLA's scatter on CPU (``impl=None``) instead of a device plan and the native kernel:
     below :data:`TRACED_SCATTER_MAX_WIDTH` features (a narrower bound for 16-bit floats,
@@ -132,9 +134,16 @@ def traced_scatters(
     kernel's per-call cost (the sum's pieces with private partial outputs; the max's
     sort) is repaid per value, so narrow or few values cannot repay it (sums:
     ``benchmarks/results/cpu-xeon-avx512/traced_scatter/``, max and min:
-    ``benchmarks/results/cpu-xeon-avx512/traced_extremes/``)."""
+    ``benchmarks/results/cpu-xeon-avx512/traced_extremes/``).
+    With ``num_segments``, a sum of 4-byte values also scatters at any size where the
+    native push would run on one thread (:func:`push_runs_on_one_thread`), as XLA's
+    scatter does, which measured faster there
+    (``benchmarks/results/cpu-epyc/traced_one_piece/``)."""
     dtype = np.dtype(dtype)
     sixteen_bit = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
+    if reduce == "sum" and num_segments is not None and not sixteen_bit and available():
+        if push_runs_on_one_thread(num_segments, num_ids, width, dtype.itemsize):
+            return True
     gradient = gradient and reduce != "sum"
     limit = TRACED_SCATTER_MAX_WIDTH[reduce, gradient][sixteen_bit]
     elements = num_ids * width
@@ -284,6 +293,14 @@ def push_pieces(rows: int, entries: int, n_features: int, itemsize: int) -> int:
     or 4), as the library computes it: fixed by the sizes, never by the machine, so
     every machine reduces each row in the same order."""
     return int(_pieces_function()(rows, entries, n_features, itemsize))
+
+
+def push_runs_on_one_thread(rows: int, entries: int, n_features: int, itemsize: int) -> bool:
+    """Whether a row-major push runs on one thread: one piece (:func:`push_pieces`)
+    whose rows of ``x`` hold under two 64-byte lines (the one-piece push splits its
+    features over the threads in blocks of whole lines)."""
+    one_piece = push_pieces(rows, entries, n_features, itemsize) == 1
+    return one_piece and n_features * itemsize < 128
 
 
 def choose(
