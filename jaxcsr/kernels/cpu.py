@@ -135,10 +135,10 @@ def traced_scatters(
     sort) is repaid per value, so narrow or few values cannot repay it (sums:
     ``benchmarks/results/cpu-xeon-avx512/traced_scatter/``, max and min:
     ``benchmarks/results/cpu-xeon-avx512/traced_extremes/``).
-    With ``num_segments``, a sum of 4-byte values also scatters at any size where the
-    native push would run on one thread (:func:`push_runs_on_one_thread`), as XLA's
-    scatter does, which measured faster there
-    (``benchmarks/results/cpu-epyc/traced_one_piece/``)."""
+    With ``num_segments``, a sum of values other than 16-bit floats also scatters at
+    any size where the native push would run on one thread
+    (:func:`push_runs_on_one_thread`), as XLA's scatter does, which measured faster
+    there (``benchmarks/results/cpu-epyc/traced_one_piece/``)."""
     dtype = np.dtype(dtype)
     sixteen_bit = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
     if reduce == "sum" and num_segments is not None and not sixteen_bit and available():
