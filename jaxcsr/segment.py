@@ -467,9 +467,10 @@ def _scatter_on_cpu(x, ids, num_segments, sorted_ids, reduce, return_arg, fill, 
     ``planned`` product's."""
     if ids.dtype.itemsize > 4:  # XLA's CPU scatter would wrap int64 ids into range
         ids = _dropped_as_minus_one(ids, num_segments)
-    if reduce == "sum" and not jnp.issubdtype(x.dtype, jnp.inexact):
-        return _scatter_sum(x, ids, num_segments, sorted_ids)
-    if reduce == "sum":  # its backward: the native gather where it is faster
+    if reduce == "sum":
+        if not jnp.issubdtype(x.dtype, jnp.inexact):
+            return _scatter_sum(x, ids, num_segments, sorted_ids)
+        # its backward: the plan's row gather (native where that is faster)
         return _scattered_value(x, ids, num_segments, sorted_ids, reduce, planned)
     if not jnp.issubdtype(x.dtype, jnp.inexact):
         out = _scatter_extreme(x, ids, num_segments, sorted_ids, reduce)
