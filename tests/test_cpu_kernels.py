@@ -355,6 +355,56 @@ def _push_threads_agree(rng, A, dtype, widths, inputs=None):
     return outputs, used
 
 
+def test_narrow_one_piece_sums_scatter_with_the_kernels_bits(rng):
+    """Static unsorted float32 ids in one piece, at least NARROW_SCATTER_MIN_IDS of
+    them, summed into rows of 2 to 8 features: XLA's scatter runs (no native call in
+    the program), with the bits of the push and the pull pinned (every row in input
+    order; one feature into at least NARROW_SCATTER_MIN_ROWS rows: the push's), weighted
+    or not, and the gradients of the planned product. Outside the rule (one feature
+    into fewer rows, 12 features, 16-bit values, max, fewer ids) the kernels run."""
+    m, k = 90000, cpu.NARROW_SCATTER_MIN_IDS + 4321
+    ids = power_law_ids(rng, k, m)
+    rng.shuffle(ids)
+    A = CSRMatrix.from_indices(ids, m)
+    W = A.with_data(jnp.asarray(random_values(rng, (k,))))
+    assert cpu.push_pieces(m, k, 4, 4) == 1 and np.bincount(ids, minlength=m).min() == 0
+    assert [cpu.choose(A.structure, f).kernel for f in (1, 2, 4, 8, 12)] == (
+        ["push", "xla", "xla", "xla", "pull"]
+    )
+    assert cpu.choose(A.structure, 4, 2).kernel == "pull"  # 16-bit
+    assert cpu.choose(A.structure, 4, reduce="max").kernel == "pull"
+    few = CSRMatrix.from_indices(ids[: cpu.NARROW_SCATTER_MIN_IDS - 1], m)
+    assert cpu.choose(few.structure, 4).kernel == "pull"
+    tall = CSRMatrix.from_indices(ids, cpu.NARROW_SCATTER_MIN_ROWS)
+    assert [cpu.choose(tall.structure, f).kernel for f in (1, 4)] == ["xla", "xla"]
+    assert "XLA's scatter" in A.plan_info(4).strategies["forward, cpu"]
+    product = jax.jit(lambda B, x: B @ x)
+    cells = [(A, 2), (W, 2), (A, 5), (W, 5), (A, 8), (tall, 1), (tall, 3)]
+    for B, f in cells:
+        x = jnp.asarray(random_values(rng, (k, f)))
+        text = product.lower(B, x).compile().as_text()
+        assert "jaxcsr_cpu" not in text and "scatter" in text
+        y = np.asarray(product(B, x))
+        # the pull sums one feature in eight lanes: other bits there
+        for kernel in ("push",) if f == 1 else ("push", "pull"):
+            with cpu.unsorted_kernel(kernel):
+                pinned = jax.jit(lambda B, x: B @ x)
+                assert "jaxcsr_cpu_" + kernel in pinned.lower(B, x).as_text()
+                np.testing.assert_array_equal(y, np.asarray(pinned(B, x)))
+        assert_close(y, reduce_reference(B, np.asarray(x, np.float64), "sum")[0], np.float32)
+    x = jnp.asarray(random_values(rng, (k, 4)))
+    ct = jnp.asarray(random_values(rng, (m, 4)))
+    loss = lambda d, x: jnp.vdot(A.with_data(d) @ x, ct)  # noqa: E731
+    d_data, d_x = jax.grad(loss, argnums=(0, 1))(W.data, x)
+    ct64, x64 = np.asarray(ct, np.float64), np.asarray(x, np.float64)
+    cols = np.asarray(A.structure.indices)  # the column of each CSR position
+    by_column = np.empty(k)
+    by_column[cols] = np.asarray(W.data)
+    np.testing.assert_allclose(np.asarray(d_x), ct64[ids] * by_column[:, None], rtol=1e-6)
+    want = (ct64[ids] * x64).sum(1)[cols]  # CSR order
+    np.testing.assert_allclose(np.asarray(d_data), want, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, jnp.bfloat16])
 def test_narrow_pull_and_one_feature_push_on_any_thread_count(rng, dtype):
     """Unsorted ids in one piece at 1 (the push), 3, 6, 11 and 21 features (the pull's

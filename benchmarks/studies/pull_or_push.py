@@ -5,8 +5,9 @@ the push (:func:`jaxcsr.kernels.cpu.choose`). Where the push takes one piece
 (:func:`jaxcsr.kernels.cpu.push_pieces`) both reduce each row in input order (except
 for one feature, where the pull sums in eight lanes); in 2 or 4 pieces the push
 reduces in piece order. This study times both on the same cells, in turns
-(``cpu.unsorted_kernel`` pins each), and checks their bits against each other and
-their error against float64: the embedded graphs with their ids shuffled and
+(``cpu.unsorted_kernel`` pins each), with XLA's scatter (``impl="xla"``, the loop
+``jax.ops.segment_sum`` runs, which adds in input order too), and checks their bits
+against each other and their error against float64: the embedded graphs with their ids shuffled and
 synthetic uniform ids. ``--pieces`` keeps the cells of some piece counts only.
 Writes ``pull_or_push.json`` and ``pull_or_push.md`` to ``--out``.
 """
@@ -23,7 +24,7 @@ import numpy as np
 
 from benchmarks import measure, report
 from benchmarks.datasets import shuffled_and_uniform_ids
-from jaxcsr import CSRMatrix, machine
+from jaxcsr import CSRMatrix, machine, matmul
 from jaxcsr.kernels import cpu
 
 
@@ -65,15 +66,12 @@ def main(argv=None) -> dict:
                     with cpu.unsorted_kernel(kernel):  # read when traced
                         fns[kernel] = jax.jit(lambda A, x: A @ x)
                         jax.block_until_ready(fns[kernel](A, x))
+                fns["xla"] = jax.jit(lambda A, x: matmul(A, x, impl="xla"))
                 thunks = {k: functools.partial(f, A, x) for k, f in fns.items()}
                 timings, outs = measure.time_in_turns(thunks, args.repeats)
                 want = _segment_sum_f64(x, ids, m)
-                same = bool(
-                    np.array_equal(
-                        np.asarray(outs["pull"]).view(np.uint8),
-                        np.asarray(outs["push"]).view(np.uint8),
-                    )
-                )
+                bits = {k: np.asarray(o).view(np.uint8) for k, o in outs.items()}
+                same = {k: bool(np.array_equal(bits[k], bits["push"])) for k in ("pull", "xla")}
                 row = {
                     "structure": label,
                     "rows": m,
@@ -89,7 +87,8 @@ def main(argv=None) -> dict:
                 rows.append(row)
                 print(
                     f"{label} N={n} {dtype} {pieces} piece(s): pull {row['ms']['pull']:.2f} "
-                    f"ms, push {row['ms']['push']:.2f} ms, same bits {same}",
+                    f"ms, push {row['ms']['push']:.2f} ms, xla {row['ms']['xla']:.2f} ms, "
+                    f"same bits as the push {same}",
                     flush=True,
                 )
     result = {
@@ -98,32 +97,40 @@ def main(argv=None) -> dict:
         "rows": rows,
     }
     lines = [
-        "# Unsorted ids: pull against push (ms, median, in turns)",
+        "# Unsorted ids: pull, push and XLA's scatter (ms, median, in turns)",
         "",
-        f"`{result['command']}` on {result['machine']}. Pieces: the push's; max error:",
-        "the largest absolute difference from float64 (pull / push).",
+        f"`{result['command']}` on {result['machine']}. Pieces: the push's; xla: XLA's",
+        'scatter (`impl="xla"`); xla / kernels: its time over the faster kernel\'s (below 1:',
+        "the scatter faster); same bits: the pull's and the scatter's output against the",
+        "push's; max error: the largest absolute difference from float64 (pull / push / xla).",
         "",
-        "| structure | rows | ids | N | dtype | pieces | output MiB | pull | push "
-        "| push / pull | same bits | max error |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| structure | rows | ids | N | dtype | pieces | output MiB | pull | push | xla "
+        "| push / pull | xla / kernels | same bits (pull, xla) | max error |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        ms, err = r["ms"], r["max_abs_error"]
+        ms, err, same = r["ms"], r["max_abs_error"], r["same_bits"]
         lines.append(
             f"| {r['structure']} | {r['rows']} | {r['ids']} | {r['n']} | {r['dtype']} | "
             f"{r['pieces']} | {r['output_mib']:.1f} | {ms['pull']:.2f} | {ms['push']:.2f} | "
-            f"{ms['push'] / ms['pull']:.2f}x | {r['same_bits']} | "
-            f"{err['pull']:.1e} / {err['push']:.1e} |"
+            f"{ms['xla']:.2f} | {ms['push'] / ms['pull']:.2f}x | "
+            f"{ms['xla'] / min(ms['pull'], ms['push']):.2f}x | {same['pull']}, {same['xla']} | "
+            f"{err['pull']:.1e} / {err['push']:.1e} / {err['xla']:.1e} |"
         )
     lines.append("")
     for pieces in sorted({r["pieces"] for r in rows}):
         these = [r for r in rows if r["pieces"] == pieces]
         ratios = [r["ms"]["push"] / r["ms"]["pull"] for r in these]
         summary = report.ratio_summary(ratios)
+        scatter = [r["ms"]["xla"] / min(r["ms"]["pull"], r["ms"]["push"]) for r in these]
         lines.append(
             f"- {pieces} piece(s): push / pull geometric mean {summary['geomean']:.2f}x, "
             f"range {min(ratios):.2f}-{max(ratios):.2f}x over {summary['cells']} cells; "
-            f"{sum(r['same_bits'] for r in these)} of {len(these)} with the same bits."
+            f"xla / kernels {report.ratio_summary(scatter)['geomean']:.2f}x "
+            f"({min(scatter):.2f}-{max(scatter):.2f}x); "
+            f"{sum(r['same_bits']['pull'] for r in these)} (pull) and "
+            f"{sum(r['same_bits']['xla'] for r in these)} (xla) of {len(these)} with the "
+            "push's bits."
         )
     text = "\n".join(lines) + "\n"
     report.write_study(args.out, "pull_or_push", result, text)

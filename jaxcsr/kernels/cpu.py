@@ -12,7 +12,8 @@ thread count: results are bit-identical for any number of threads.
     ``y[r] = sum_j data[j] * x[cols[j]]`` over row ``r``'s entries in CSR order:
     general matrices (and their planned transposes), sorted segment ids (``cols``
     is the identity: ``x`` is read once, in order) and unsorted ids that reduce in one
-    piece (``cols`` the planned sort: each row's ids in input order).
+    piece (``cols`` the planned sort: each row's ids in input order), but for narrow
+    float32 sums, which XLA's scatter adds in the same order (:func:`choose`).
 ``push``
     The one-per-column view of unsorted segment ids in 2 or 4 pieces of consecutive
     ids (the number fixed by the sizes: :func:`push_pieces`), each adding ``x[k]`` to
@@ -305,7 +306,7 @@ def push_runs_on_one_thread(rows: int, entries: int, n_features: int, itemsize: 
 
 def choose(
     view: Structure, n_features: int | None = None, itemsize: int = 4,
-    feature_major: bool = False,
+    feature_major: bool = False, reduce: str = "sum",
 ) -> Strategy:  # fmt: skip
     """The native kernel for a product of ``view`` with ``n_features`` features of
     ``itemsize`` bytes, and why.
@@ -325,6 +326,14 @@ def choose(
       caches or cost what the pull does not (:func:`_pull_over_two_pieces`), else the
       push.
     - Four pieces: the push.
+    - One piece of float32 sums into narrow rows: XLA's scatter, the loop
+      ``jax.ops.segment_sum`` runs, at 2 to 8 features from
+      :data:`NARROW_SCATTER_MIN_IDS` ids and at one feature from
+      :data:`NARROW_SCATTER_MIN_ROWS` rows. It adds each value in input order too (the
+      bits of the push, and of the pull from 2 features), and there its one loop beat
+      the pull, which mispredicts a branch per row of a few ids, and mostly the push
+      (slower at 4 features than at 8, and at one feature into outputs past the L2):
+      ``benchmarks/results/cpu-epyc/narrow_scatter/``.
 
     Ids planned on the device push: they have no sort to pull through.
 
@@ -357,6 +366,11 @@ def choose(
         return Strategy(
             "push", f"{pieces} pieces of ids into private partials ({m} rows, {n} ids)", pieces
         )
+    if _UNSORTED_KERNEL is None and _narrow_scatter(m, n, n_features, itemsize, reduce):
+        return Strategy(
+            "xla", f"one piece ({m} rows, {n} ids), {n_features} float32 feature(s): XLA's "
+            "scatter, the same order", 1,
+        )  # fmt: skip
     if _UNSORTED_KERNEL == "push" or (_UNSORTED_KERNEL is None and n_features == 1):
         return Strategy("push", f"one piece ({m} rows, {n} ids), one feature: the push", 1)
     return Strategy(
@@ -365,6 +379,23 @@ def choose(
 
 
 _NARROW_GATHER_BYTES = 32  # row gathers of rows narrower than this: XLA's gather
+
+NARROW_SCATTER_MIN_IDS = 1 << 16
+"""Static unsorted ids in one piece, rows of 2 to 8 float32 features: from this many
+ids XLA's scatter sums them (:func:`choose`); below, the kernels' lower call cost wins."""
+NARROW_SCATTER_MIN_ROWS = 1 << 19
+"""... and at one feature from this many rows (an output past the L2), where the push
+wins below."""
+
+
+def _narrow_scatter(m: int, n: int, n_features: int, itemsize: int, reduce: str) -> bool:
+    """Whether a one-piece sum of ``n`` static unsorted ids into ``m`` rows runs XLA's
+    scatter (:func:`choose`)."""
+    if reduce != "sum" or itemsize != 4:  # float32 sums (the kernels' 4-byte dtype)
+        return False
+    if n_features == 1:
+        return m >= NARROW_SCATTER_MIN_ROWS
+    return 2 <= n_features <= 8 and n >= NARROW_SCATTER_MIN_IDS
 
 
 # Where static unsorted ids in two pieces run the pull instead of the push: in the
@@ -457,8 +488,8 @@ def product(
     if data is not None and data.ndim == 2:  # heads: the pull in CSR order only
         assert not feature_major and takes_heads(view, platform, x.dtype, data.dtype, out_dtype)
     width = x.shape[0] if feature_major else x.shape[1]
-    chosen = choose(view, width, dtype.itemsize, feature_major)
-    if chosen.kernel == "xla":  # narrow rows of a row gather
+    chosen = choose(view, width, dtype.itemsize, feature_major, reduce)
+    if chosen.kernel == "xla":  # narrow rows: a row gather, a one-piece sum
         return xla.product(
             x, data, view, None, reduce=reduce, out_dtype=out_dtype, interpret=False,
             platform=platform,
