@@ -379,7 +379,7 @@ def test_narrow_one_piece_sums_scatter_with_the_kernels_bits(rng):
     assert [cpu.choose(tall.structure, f).kernel for f in (1, 4)] == ["xla", "xla"]
     assert "XLA's scatter" in A.plan_info(4).strategies["forward, cpu"]
     product = jax.jit(lambda B, x: B @ x)
-    cells = [(A, 2), (W, 2), (A, 5), (W, 5), (A, 8), (tall, 1), (tall, 3)]
+    cells = [(A, 2), (W, 4), (A, 4), (W, 5), (A, 8), (tall, 1), (tall, 3)]
     for B, f in cells:
         x = jnp.asarray(random_values(rng, (k, f)))
         text = product.lower(B, x).compile().as_text()

@@ -392,7 +392,17 @@ JAXCSR_INLINE void push_rows_narrow(const int32_t* ids, const typename In::Stora
     // stores to acc (which the compiler must assume may alias them) ran 2.5x slower
     float add[W];
     for (int i = 0; i < W; ++i) add[i] = w * In::load(v[i]);
-    for (int i = 0; i < W; ++i) a[i] = Op::combine(a[i], add[i]);
+    if constexpr (std::is_same<Op, Sum>::value && W == 4) {
+      // one 4-lane add: GCC left the four scalar read-modify-writes, which ran 1.8x
+      // slower (the same additions, the same bits)
+      f32x4 sum, more;
+      std::memcpy(&sum, a, sizeof sum);
+      std::memcpy(&more, add, sizeof more);
+      sum = sum + more;
+      std::memcpy(a, &sum, sizeof sum);
+    } else {
+      for (int i = 0; i < W; ++i) a[i] = Op::combine(a[i], add[i]);
+    }
   }
 }
 
