@@ -697,7 +697,7 @@ def test_traced_sums_that_would_push_on_one_thread_scatter(rng):
         (1_000_000, 16, jnp.float32): True,
         (1_000_000, 31, jnp.float32): True,
         (10_000, 16, jnp.float32): False,
-        (1_000_000, 64, jnp.float32): False,
+        (300_000, 64, jnp.float32): False,  # one piece of 6.7 ids a row: feature blocks
         (1_000_000, 16, jnp.bfloat16): False,
     }
     for (m, width, dtype), scatters in cases.items():
@@ -720,6 +720,50 @@ def test_traced_sums_that_would_push_on_one_thread_scatter(rng):
     want = segment_reference(np.asarray(x)[keep], ids[keep], m)
     assert cpu.push_runs_on_one_thread(m, size, 16, 4)
     assert_close(jax.jit(lambda x, i: jaxcsr.segment_sum(x, i, m))(x, ids), want, np.float32)
+
+
+def test_traced_sums_the_push_loses_scatter(rng):
+    """A float32 sum of traced ids past the size bound also scatters where the push
+    would take one piece with under 3 ids a row, or two pieces of partials over 40 MiB
+    (``cpu.push_loses_to_scatter``), at any width; more ids a row in one piece, smaller
+    partials in two, and 16-bit values keep the push. Compiled for the full sizes; the
+    values and the gradient (the planned row gather) checked against float64 on small
+    ones, dropped ids included."""
+    from jaxcsr.kernels import cpu
+
+    if not cpu.available():
+        pytest.skip("the rule needs the built library (push_pieces)")
+    big = 2_000_000
+    cases = {  # (segments, width, dtype): (pieces, scatters)
+        (1_000_000, 64, jnp.float32): (1, True),  # 2 ids a row
+        (700_000, 64, jnp.float32): (1, True),  # 2.9
+        (300_000, 64, jnp.float32): (1, False),  # 6.7
+        (150_000, 64, jnp.float32): (2, True),  # partials of 73 MiB
+        (200_000, 32, jnp.float32): (2, True),  # 49 MiB
+        (60_000, 64, jnp.float32): (2, False),  # 29 MiB
+        (150_000, 64, jnp.bfloat16): (2, False),
+    }
+    for (m, width, dtype), (pieces, scatters) in cases.items():
+        itemsize = np.dtype(dtype).itemsize
+        assert cpu.push_pieces(m, big, width, itemsize) == pieces
+        assert not cpu.push_runs_on_one_thread(m, big, width, itemsize)
+        assert cpu.traced_scatters("sum", big, width, dtype, num_segments=m) == scatters
+        f = jax.jit(lambda x, ids, m=m: jaxcsr.segment_sum(x, ids, m))
+        shapes = jax.ShapeDtypeStruct((big, width), dtype), jax.ShapeDtypeStruct((big,), jnp.int32)
+        compiled = f.lower(*shapes).compile().as_text()
+        assert ("jaxcsr_cpu_push" in compiled) == (not scatters), (m, width, dtype)
+    m, size = 3000, 8000  # one piece of 2.7 ids a row at 64 features
+    assert cpu.push_loses_to_scatter(m, size, 64, 4)
+    assert not cpu.push_runs_on_one_thread(m, size, 64, 4)
+    ids = rng.integers(-2, m + 3, size).astype(np.int32)
+    x = jnp.asarray(random_values(rng, (size, 64)), jnp.float32)
+    ct = random_values(rng, (m, 64))
+    keep = (ids >= 0) & (ids < m)
+    want = segment_reference(np.asarray(x)[keep], ids[keep], m)
+    out, pullback = jax.vjp(lambda x: jaxcsr.segment_sum(x, jnp.asarray(ids), m), x)
+    assert_close(out, want, np.float32)
+    grad = np.where(keep[:, None], np.asarray(ct, np.float64)[np.clip(ids, 0, m - 1)], 0.0)
+    assert_close(pullback(jnp.asarray(ct, jnp.float32))[0], grad, np.float32)
 
 
 def _extreme_reference(x: np.ndarray, ids: np.ndarray, m: int, reduce: str):

@@ -101,6 +101,7 @@ __all__ = [
     "threads",
     "unsorted_kernel",
     "traced_scatters",
+    "push_loses_to_scatter",
     "push_runs_on_one_thread",
 ]
 
@@ -139,11 +140,15 @@ def traced_scatters(
     With ``num_segments``, a sum of values other than 16-bit floats also scatters at
     any size where the native push would run on one thread
     (:func:`push_runs_on_one_thread`), as XLA's scatter does, which measured faster
-    there (``benchmarks/results/cpu-epyc/traced_one_piece/``)."""
+    there (``benchmarks/results/cpu-epyc/traced_one_piece/``), and where the push
+    lost to the scatter on both CPUs measured, one piece with few ids a row or two
+    with large partials (:func:`push_loses_to_scatter`:
+    ``benchmarks/results/cpu-epyc/traced_few_ids/``)."""
     dtype = np.dtype(dtype)
     sixteen_bit = jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize < 4
     if reduce == "sum" and num_segments is not None and not sixteen_bit and available():
-        if push_runs_on_one_thread(num_segments, num_ids, width, dtype.itemsize):
+        sizes = (num_segments, num_ids, width, dtype.itemsize)
+        if push_runs_on_one_thread(*sizes) or push_loses_to_scatter(*sizes):
             return True
     gradient = gradient and reduce != "sum"
     limit = TRACED_SCATTER_MAX_WIDTH[reduce, gradient][sixteen_bit]
@@ -302,6 +307,24 @@ def push_runs_on_one_thread(rows: int, entries: int, n_features: int, itemsize: 
     features over the threads in blocks of whole lines)."""
     one_piece = push_pieces(rows, entries, n_features, itemsize) == 1
     return one_piece and n_features * itemsize < 128
+
+
+TRACED_ONE_PIECE_IDS_A_ROW = 3
+"""A traced float32 sum whose push takes one piece with fewer ids a row than this
+scatters at any size (:func:`push_loses_to_scatter`)."""
+
+
+def push_loses_to_scatter(rows: int, entries: int, n_features: int, itemsize: int) -> bool:
+    """Whether a row-major push of ``entries`` traced ids into ``rows`` rows is one
+    XLA's scatter outran on both CPUs measured: one piece with under
+    :data:`TRACED_ONE_PIECE_IDS_A_ROW` ids a row (each output row, past the caches,
+    updated about once, by feature blocks that each read every id), or two pieces whose
+    float32 partials hold over 40 MiB (filled and combined out of the caches; the bound
+    at which static ids pull instead)."""
+    pieces = push_pieces(rows, entries, n_features, itemsize)
+    if pieces == 1:
+        return entries < TRACED_ONE_PIECE_IDS_A_ROW * rows
+    return pieces == 2 and 2 * 4 * rows * n_features > _LARGE_PARTIALS_BYTES
 
 
 def choose(
