@@ -354,9 +354,10 @@ def choose(
       :data:`NARROW_SCATTER_MIN_IDS` ids and at one feature from
       :data:`NARROW_SCATTER_MIN_ROWS` rows. It adds each value in input order too (the
       bits of the push, and of the pull from 2 features), and there its one loop beat
-      the pull, which mispredicts a branch per row of a few ids, and mostly the push
-      (slower at 4 features than at 8, and at one feature into outputs past the L2):
-      ``benchmarks/results/cpu-epyc/narrow_scatter/``.
+      the pull, which mispredicts a branch per row of a few ids, and matched or beat
+      the push at 4 features and at one feature into outputs past the L2:
+      ``benchmarks/results/cpu-epyc/narrow_scatter/``. ``reduce`` names the
+      reduction: only sums take XLA's scatter.
 
     Ids planned on the device push: they have no sort to pull through.
 

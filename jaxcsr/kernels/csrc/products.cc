@@ -393,8 +393,8 @@ JAXCSR_INLINE void push_rows_narrow(const int32_t* ids, const typename In::Stora
     float add[W];
     for (int i = 0; i < W; ++i) add[i] = w * In::load(v[i]);
     if constexpr (std::is_same<Op, Sum>::value && W == 4) {
-      // one 4-lane add: GCC left the four scalar read-modify-writes, which ran 1.8x
-      // slower (the same additions, the same bits)
+      // one 4-lane add, the same additions and bits: GCC left four scalar
+      // read-modify-writes, slower (benchmarks/results/cpu-epyc/narrow_push/)
       f32x4 sum, more;
       std::memcpy(&sum, a, sizeof sum);
       std::memcpy(&more, add, sizeof more);
