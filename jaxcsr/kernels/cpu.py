@@ -324,7 +324,7 @@ def push_loses_to_scatter(rows: int, entries: int, n_features: int, itemsize: in
     pieces = push_pieces(rows, entries, n_features, itemsize)
     if pieces == 1:
         return entries < TRACED_ONE_PIECE_IDS_A_ROW * rows
-    return pieces == 2 and 2 * 4 * rows * n_features > _LARGE_PARTIALS_BYTES
+    return pieces == 2 and _large_partials(rows, n_features)
 
 
 def choose(
@@ -430,6 +430,12 @@ _LARGE_PARTIALS_BYTES = 40 << 20  # both float32 partials past this: out of the 
 _SIXTEEN_BIT_ROW_BYTES = 32  # 16-bit rows from this long with under 8 ids a row
 
 
+def _large_partials(rows: int, n_features: int) -> bool:
+    """Whether the push's two float32 partials of ``rows`` rows would hold more than
+    :data:`_LARGE_PARTIALS_BYTES` (static ids pull there, traced ids scatter)."""
+    return 2 * 4 * rows * n_features > _LARGE_PARTIALS_BYTES
+
+
 def _pull_over_two_pieces(m: int, n: int, n_features: int, itemsize: int) -> str | None:
     """Why static unsorted ids whose push takes two pieces run the pull instead, or
     ``None`` to push: rows of ``x`` of 512 bytes or more; two float32 partials over
@@ -439,7 +445,7 @@ def _pull_over_two_pieces(m: int, n: int, n_features: int, itemsize: int) -> str
     row_bytes = n_features * itemsize
     if row_bytes >= _WIDE_ROW_BYTES:
         return f"rows of x of {row_bytes} bytes, where the push takes 2 pieces"
-    if 2 * 4 * m * n_features > _LARGE_PARTIALS_BYTES:
+    if _large_partials(m, n_features):
         return f"2 pieces would fill {2 * 4 * m * n_features / 2**20:.0f} MiB of partials"
     if itemsize == 2 and row_bytes >= _SIXTEEN_BIT_ROW_BYTES and n < 8 * m:
         return "16-bit rows of 32 bytes or more, under 8 ids a row"

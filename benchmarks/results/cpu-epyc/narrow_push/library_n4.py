@@ -2,26 +2,21 @@
 the push in the pieces the sizes fix (the one-piece cells pinned to the push, which
 ``cpu.choose`` would send to XLA's scatter). Prints ``ids/rows/pieces:ms`` per cell, the
 best of three medians of 30 calls. Run with ``JAXCSR_CPU_LIBRARY=<old .so>`` for the
-other build, alternating (the README's commands)."""
-
-import time
+other build, alternating (the README's commands).
+Run from the repository root with ``PYTHONPATH=.`` (it uses ``benchmarks.measure``)."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxcsr
+from benchmarks import measure
 from jaxcsr.kernels import cpu
 
 
 def median_ms(f, *args, reps=30):
-    f(*args).block_until_ready()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        f(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return np.median(times) * 1e3
+    """The median of ``reps`` timed calls after one untimed call, in ms."""
+    return measure.time_thunk(lambda: f(*args), reps, warmup=0)[0].median_s * 1e3
 
 
 rng = np.random.default_rng(1)

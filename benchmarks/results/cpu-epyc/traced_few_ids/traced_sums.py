@@ -1,27 +1,23 @@
 """Traced float32 ``segment_sum`` against ``jax.ops.segment_sum`` on uniform random ids,
 both jitted with the ids an argument, in turns (3 rounds of 7 or 9 calls; the median of
 the rounds' medians, ms). Each argument is ``IDS,ROWS,N``. Prints the push's pieces,
-the ids a row and whether ``cpu.traced_scatters`` sends the cell to XLA's scatter."""
+the ids a row and whether ``cpu.traced_scatters`` sends the cell to XLA's scatter.
+Run from the repository root with ``PYTHONPATH=.`` (it uses ``benchmarks.measure``)."""
 
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 import jaxcsr
+from benchmarks import measure
 from jaxcsr.kernels import cpu
 
 
 def median_ms(f, *args, reps):
-    f(*args).block_until_ready()
-    times = []
-    for _ in range(reps):
-        start = time.perf_counter()
-        f(*args).block_until_ready()
-        times.append(time.perf_counter() - start)
-    return np.median(times) * 1e3
+    """The median of ``reps`` timed calls after one untimed call, in ms."""
+    return measure.time_thunk(lambda: f(*args), reps, warmup=0)[0].median_s * 1e3
 
 
 rng = np.random.default_rng(1)
