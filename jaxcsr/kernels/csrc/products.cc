@@ -564,30 +564,38 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   const int64_t pieces =
       push_piece_count(rows, entries, f, f * int64_t{sizeof(typename In::Storage)},
                        sizeof(typename In::Storage) == 2);
-  // float32 sums with one piece accumulate in the output itself
+  // A float32 sum's first piece accumulates in the output itself (its float32 partial
+  // is what the output holds), the later pieces' partials then added into it: no
+  // partial to fill and copy out for it, the same additions in the same order.
   constexpr bool f32_sum = std::is_same<Out, F32>::value && std::is_same<Op, Sum>::value;
-  const bool direct = f32_sum && pieces == 1;
+  const int64_t own = f32_sum ? pieces - 1 : pieces;  // partials of their own
   // not value-initialised: every piece (or feature block) fills its own part first
-  std::unique_ptr<float[]> partials(direct ? nullptr : new float[pieces * rows * f]);
-  float* first = direct ? reinterpret_cast<float*>(y) : partials.get();
+  std::unique_ptr<float[]> partials(own > 0 ? new float[own * rows * f] : nullptr);
+  // piece p's partial
+  const auto part = [&](int64_t p) {
+    return f32_sum ? (p == 0 ? reinterpret_cast<float*>(y) : partials.get() + (p - 1) * rows * f)
+                   : partials.get() + p * rows * f;
+  };
+  float* first = part(0);
   if (pieces > 1) {
     parallel_chunks(pool, pieces, threads, [&](int64_t p) {
-      push_rows<In, Out, Op>(ids, data, x, first + p * rows * f, rows, f, f,
-                             entries * p / pieces, entries * (p + 1) / pieces);
+      push_rows<In, Out, Op>(ids, data, x, part(p), rows, f, f, entries * p / pieces,
+                             entries * (p + 1) / pieces);
     });
   } else {
     over_feature_blocks<typename In::Storage>(pool, threads, f, [&](int64_t c0, int64_t c1) {
       push_rows<In, Out, Op>(ids, data, x + c0, first + c0, rows, f, c1 - c0, 0, entries);
     });
   }
-  if (direct) return;
+  if (f32_sum && pieces == 1) return;
   const int64_t chunks = chunk_count(rows * f * pieces, thread_count(pool, max_threads), 4);
   parallel_chunks(pool, chunks, threads, [&](int64_t c) {
     const int64_t lo = rows * c / chunks, hi = rows * (c + 1) / chunks;
     for (int64_t p = 1; p < pieces; ++p) {
-      const float* part = first + p * rows * f;
-      for (int64_t i = lo * f; i < hi * f; ++i) first[i] = Op::combine(first[i], part[i]);
+      const float* later = part(p);
+      for (int64_t i = lo * f; i < hi * f; ++i) first[i] = Op::combine(first[i], later[i]);
     }
+    if (f32_sum) return;  // the sums are in the output
     for (int64_t r = lo; r < hi; ++r)
       store_row<Out>(y + r * f, first + r * f, f, empty_row(indptr, r));
   });
