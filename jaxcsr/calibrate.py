@@ -3,7 +3,9 @@
 Measures the bandwidths and the call floor (about half a second), stores the profile in
 ``jaxcsr.machine.cache_file()`` for every later process, and prints it. ``--show``
 prints the profile in use, the file it was read from, when and under what load it was
-measured, and stores nothing.
+measured, and the timed choices stored (:mod:`jaxcsr.kernels.cpu_timed`), and stores
+nothing. Measuring again drops the timed choices: each shape class is timed again at
+its first product.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import argparse
 import time
 
 from jaxcsr import machine
+from jaxcsr.kernels import cpu_timed
 
 
 def main(argv: list[str] | None = None) -> machine.MachineProfile:
@@ -26,7 +29,9 @@ def main(argv: list[str] | None = None) -> machine.MachineProfile:
     )
     args = parser.parse_args(argv)
     if args.show:
-        return _show()
+        shown = _show()
+        _show_choices()
+        return shown
     import jax.numpy as jnp
 
     jnp.zeros(1).block_until_ready()  # jax started: what follows is the measurement
@@ -35,11 +40,16 @@ def main(argv: list[str] | None = None) -> machine.MachineProfile:
     print(f"measured in {time.perf_counter() - start:.2f} s")
     print(found.summary())
     print(f"stored in {machine.cache_file()}")
+    choices = cpu_timed.choices_file()
+    if choices.exists():
+        choices.unlink()
+        print(f"removed {choices}: each shape class is timed again at its first product")
     return found
 
 
 def _show() -> machine.MachineProfile:
-    """The profile a product would read now, and where it comes from (nothing stored)."""
+    """The profile a product would read now, and where it comes from, then the timed
+    choices stored (nothing stored)."""
     path = machine.cache_file()
     found = machine.stored(path)
     if found is not None:
@@ -57,6 +67,18 @@ def _show() -> machine.MachineProfile:
         "profile measures this machine (unless JAXCSR_CALIBRATE=0)\n(--show stores nothing)"
     )
     return machine.DEFAULT
+
+
+def _show_choices() -> None:
+    path = cpu_timed.choices_file()
+    stored = cpu_timed.stored()
+    if not stored:
+        print(f"timed choices: none stored for this library build ({path})")
+        return
+    print(f"timed choices ({path}):")
+    for key, found in sorted(stored.items()):
+        times = ", ".join(f"{k} {t:.0f} us" for k, t in sorted(found.times_us.items()))
+        print(f"  {key}: {found.kernel} (rule: {found.rule}; {times})")
 
 
 if __name__ == "__main__":

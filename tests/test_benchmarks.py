@@ -225,6 +225,28 @@ def test_pull_or_push_study(tmp_path):
     assert "| cora shuffled | 2708 | 10556 | 8 | float32 | 1 |" in text
 
 
+@pytest.mark.skipif(not cpu.available(), reason="native CPU kernels not built")
+def test_timed_choice_study(tmp_path, monkeypatch):
+    """Uniform ids in one piece at N = 2 and 8: each cell traced by the rule and with
+    timed choices (timed into a scratch directory, not the machine's own file), the
+    same bits both ways, the errors near float64; the user's cache is left as it was."""
+    from benchmarks.studies import timed_choice
+    from jaxcsr.kernels import cpu_timed
+
+    monkeypatch.setenv("JAXCSR_CACHE_DIR", str(tmp_path / "cache"))
+    argv = ["--graphs", "", "--synthetic", "40000/25000", "--features", "2,8"]
+    result = timed_choice.main([*argv, "--repeats", "1", "--out", str(tmp_path)])
+    assert [r["n"] for r in result["rows"]] == [2, 8]
+    for r in result["rows"]:
+        assert r["same_bits"] and 0 < r["max_abs_error"] < 1e-5, r
+        assert r["rule"] == "pull" and r["timed"] in cpu_timed.candidates(r["n"], 4)
+        assert "timed on this machine" in r["timed_reason"] and r["timing_s"] > 0
+    assert not cpu_timed.choices_file().exists()  # timed in the study's scratch directory
+    text = (tmp_path / "timed_choice.md").read_text()
+    assert "| uniform 40000 ids | 25000 | 40000 | 8 | pull |" in text
+    assert "same bits in 2 of 2 cells" in text
+
+
 def test_random_graphs_study(tmp_path):
     """Two small uniform graphs at N = 1 and 4: static and traced, forward and forward
     + backward, every jaxcsr output within float32 rounding of jax.ops'."""

@@ -13,7 +13,8 @@ thread count: results are bit-identical for any number of threads.
     general matrices (and their planned transposes), sorted segment ids (``cols``
     is the identity: ``x`` is read once, in order) and unsorted ids that reduce in one
     piece (``cols`` the planned sort: each row's ids in input order), but for narrow
-    float32 sums, which XLA's scatter adds in the same order (:func:`choose`).
+    float32 sums, which XLA's scatter adds in the same order (:func:`choose`; or which
+    of the three this machine runs fastest, timed once: :mod:`jaxcsr.kernels.cpu_timed`).
 ``push``
     The one-per-column view of unsorted segment ids in 2 or 4 pieces of consecutive
     ids (the number fixed by the sizes: :func:`push_pieces`), each adding ``x[k]`` to
@@ -78,7 +79,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxcsr.dtypes import KERNEL_DTYPES, product_dtype
-from jaxcsr.kernels import xla
+from jaxcsr.kernels import cpu_timed, xla
 from jaxcsr.machine import profile
 from jaxcsr.structure import Structure
 
@@ -359,6 +360,13 @@ def choose(
       ``benchmarks/results/cpu-epyc/narrow_scatter/``. ``reduce`` names the
       reduction: only sums take XLA's scatter.
 
+    Where a one-piece sum's candidates give the same bits (the push, the pull from two
+    features, XLA's scatter for float32), this machine's timings replace the rule:
+    :mod:`jaxcsr.kernels.cpu_timed` times them once per shape class and stores the
+    result (``JAXCSR_TIMED_CHOICES=0``: the rule; measured in
+    ``benchmarks/results/cpu-epyc/timed_choice/``). Pins (:func:`unsorted_kernel`)
+    win over both.
+
     Ids planned on the device push: they have no sort to pull through.
 
     One entry per row (the segment sum's backward, ``ct[ids]``): the native gather,
@@ -381,6 +389,9 @@ def choose(
         return Strategy("push", "the push, or the pull where it takes one piece (by width)")
     m, n = view.shape
     pieces = push_pieces(m, n, n_features, itemsize)
+    timing = cpu_timed.pinned()  # a kernel being timed (cpu_timed's own products)
+    if timing is not None and pieces == 1:
+        return Strategy(timing, f"timing ({m} rows, {n} ids): {timing}", 1)
     if _UNSORTED_KERNEL == "pull":
         return Strategy("pull", f"pinned ({m} rows, {n} ids): the pull through the sort", 1)
     reason = _pull_over_two_pieces(m, n, n_features, itemsize) if pieces == 2 else None
@@ -390,12 +401,32 @@ def choose(
         return Strategy(
             "push", f"{pieces} pieces of ids into private partials ({m} rows, {n} ids)", pieces
         )
-    if _UNSORTED_KERNEL is None and _narrow_scatter(m, n, n_features, itemsize, reduce):
+    if _UNSORTED_KERNEL == "push":
+        return Strategy("push", f"pinned ({m} rows, {n} ids): the push in one piece", 1)
+    rule = _one_piece_rule(m, n, n_features, itemsize, reduce)
+    if reduce == "sum":
+
+        def rule_at(rows: int, ids: int) -> str | None:
+            if push_pieces(rows, ids, n_features, itemsize) != 1:
+                return None
+            return _one_piece_rule(rows, ids, n_features, itemsize, reduce).kernel
+
+        timed = cpu_timed.choice(m, n, n_features, itemsize, rule_at)
+        if timed is not None:
+            found, path = timed
+            return Strategy(found.kernel, f"one piece ({m} rows, {n} ids): {found.reason(path)}", 1)
+    return rule
+
+
+def _one_piece_rule(m: int, n: int, n_features: int, itemsize: int, reduce: str) -> Strategy:
+    """What static unsorted ids whose push takes one piece run by the rule
+    (:func:`choose`)."""
+    if _narrow_scatter(m, n, n_features, itemsize, reduce):
         return Strategy(
             "xla", f"one piece ({m} rows, {n} ids), {n_features} float32 feature(s): XLA's "
             "scatter, the same order", 1,
         )  # fmt: skip
-    if _UNSORTED_KERNEL == "push" or (_UNSORTED_KERNEL is None and n_features == 1):
+    if n_features == 1:
         return Strategy("push", f"one piece ({m} rows, {n} ids), one feature: the push", 1)
     return Strategy(
         "pull", f"one piece ({m} rows, {n} ids): the pull through the sort, same order", 1
