@@ -3,7 +3,7 @@
 Measures the bandwidths and the call floor (about half a second), stores the profile in
 ``jaxcsr.machine.cache_file()`` for every later process, and prints it. ``--show``
 prints the profile in use, the file it was read from, when and under what load it was
-measured, and the timed choices stored (:mod:`jaxcsr.kernels.cpu_timed`), and stores
+measured, and the timed choices stored (:mod:`jaxcsr.timed_choices`), and stores
 nothing. Measuring again drops the timed choices: each shape class is timed again at
 its first product.
 """
@@ -13,8 +13,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from jaxcsr import machine
-from jaxcsr.kernels import cpu_timed
+from jaxcsr import machine, timed_choices
 
 
 def main(argv: list[str] | None = None) -> machine.MachineProfile:
@@ -40,7 +39,7 @@ def main(argv: list[str] | None = None) -> machine.MachineProfile:
     print(f"measured in {time.perf_counter() - start:.2f} s")
     print(found.summary())
     print(f"stored in {machine.cache_file()}")
-    choices = cpu_timed.choices_file()
+    choices = timed_choices.choices_file()
     if choices.exists():
         choices.unlink()
         print(f"removed {choices}: each shape class is timed again at its first product")
@@ -70,8 +69,8 @@ def _show() -> machine.MachineProfile:
 
 
 def _show_choices() -> None:
-    path = cpu_timed.choices_file()
-    stored = cpu_timed.stored()
+    path = timed_choices.choices_file()
+    stored = timed_choices.stored()
     if not stored:
         print(f"timed choices: none stored for this library build ({path})")
         return

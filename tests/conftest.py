@@ -11,7 +11,7 @@ import pytest
 collect_ignore = ["sharding_checks.py", "multiprocess_checks.py"]
 
 # The CPU backend's rules decide, not timings of this machine (the kernels a test
-# expects by its sizes); tests/test_cpu_timed.py turns timed choices on where it
+# expects by its sizes); tests/test_timed_choices.py turns timed choices on where it
 # tests them. Set JAXCSR_TIMED_CHOICES=1 to run the suite with them.
 os.environ.setdefault("JAXCSR_TIMED_CHOICES", "0")
 

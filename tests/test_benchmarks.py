@@ -231,7 +231,7 @@ def test_timed_choice_study(tmp_path, monkeypatch):
     timed choices (timed into a scratch directory, not the machine's own file), the
     same bits both ways, the errors near float64; the user's cache is left as it was."""
     from benchmarks.studies import timed_choice
-    from jaxcsr.kernels import cpu_timed
+    from jaxcsr import timed_choices
 
     monkeypatch.setenv("JAXCSR_CACHE_DIR", str(tmp_path / "cache"))
     argv = ["--graphs", "", "--synthetic", "40000/25000", "--features", "2,8"]
@@ -239,9 +239,9 @@ def test_timed_choice_study(tmp_path, monkeypatch):
     assert [r["n"] for r in result["rows"]] == [2, 8]
     for r in result["rows"]:
         assert r["same_bits"] and 0 < r["max_abs_error"] < 1e-5, r
-        assert r["rule"] == "pull" and r["timed"] in cpu_timed.candidates(r["n"], 4)
+        assert r["rule"] == "pull" and r["timed"] in timed_choices.candidates(r["n"], 4)
         assert "timed on this machine" in r["timed_reason"] and r["timing_s"] > 0
-    assert not cpu_timed.choices_file().exists()  # timed in the study's scratch directory
+    assert not timed_choices.choices_file().exists()  # timed in the study's scratch directory
     text = (tmp_path / "timed_choice.md").read_text()
     assert "| uniform 40000 ids | 25000 | 40000 | 8 | pull |" in text
     assert "same bits in 2 of 2 cells" in text

@@ -2,7 +2,7 @@
 
 Static unsorted float32 ids whose push takes one piece run the pull, the push or XLA's
 scatter: the same bits (each row in input order). The CPU backend's rule picks one
-from the sizes; :mod:`jaxcsr.kernels.cpu_timed` times the candidates once per machine
+from the sizes; :mod:`jaxcsr.timed_choices` times the candidates once per machine
 and shape class instead. This study runs each cell both ways -- traced with
 ``JAXCSR_TIMED_CHOICES=0`` (the rule) and with timed choices on, into an empty
 choices file of its own (a temporary ``JAXCSR_CACHE_DIR``, the machine profile copied
@@ -31,7 +31,7 @@ import numpy as np
 from benchmarks import measure, report
 from benchmarks.datasets import shuffled_and_uniform_ids
 from jaxcsr import CSRMatrix, machine
-from jaxcsr.kernels import cpu, cpu_timed
+from jaxcsr.kernels import cpu
 
 
 @contextlib.contextmanager
@@ -72,7 +72,6 @@ def main(argv=None) -> dict:
     if profile_file.exists():
         shutil.copy(profile_file, scratch / profile_file.name)
     os.environ["JAXCSR_CACHE_DIR"] = str(scratch)
-    cpu_timed._forget()
     rng = np.random.default_rng(0)
     rows = []
     try:
@@ -86,7 +85,6 @@ def main(argv=None) -> dict:
                     continue
                 rows.append(_cell(label, A, ids, m, n, rng, args.repeats))
     finally:
-        cpu_timed._forget()
         if saved_dir is None:
             os.environ.pop("JAXCSR_CACHE_DIR", None)
         else:

@@ -14,7 +14,7 @@ thread count: results are bit-identical for any number of threads.
     is the identity: ``x`` is read once, in order) and unsorted ids that reduce in one
     piece (``cols`` the planned sort: each row's ids in input order), but for narrow
     float32 sums, which XLA's scatter adds in the same order (:func:`choose`; or which
-    of the three this machine runs fastest, timed once: :mod:`jaxcsr.kernels.cpu_timed`).
+    of the three this machine runs fastest, timed once: :mod:`jaxcsr.timed_choices`).
 ``push``
     The one-per-column view of unsorted segment ids in 2 or 4 pieces of consecutive
     ids (the number fixed by the sizes: :func:`push_pieces`), each adding ``x[k]`` to
@@ -70,6 +70,7 @@ import ctypes
 import dataclasses
 import functools
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -78,8 +79,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxcsr import plan as host_plan
+from jaxcsr import timed_choices
 from jaxcsr.dtypes import KERNEL_DTYPES, product_dtype
-from jaxcsr.kernels import cpu_timed, xla
+from jaxcsr.kernels import xla
 from jaxcsr.machine import profile
 from jaxcsr.structure import Structure
 
@@ -362,7 +365,7 @@ def choose(
 
     Where a one-piece sum's candidates give the same bits (the push, the pull from two
     features, XLA's scatter for float32), this machine's timings replace the rule:
-    :mod:`jaxcsr.kernels.cpu_timed` times them once per shape class and stores the
+    :mod:`jaxcsr.timed_choices` times them once per shape class and stores the
     result (``JAXCSR_TIMED_CHOICES=0``: the rule; measured in
     ``benchmarks/results/cpu-epyc/timed_choice/``). Pins (:func:`unsorted_kernel`)
     win over both.
@@ -389,7 +392,7 @@ def choose(
         return Strategy("push", "the push, or the pull where it takes one piece (by width)")
     m, n = view.shape
     pieces = push_pieces(m, n, n_features, itemsize)
-    timing = cpu_timed.pinned()  # a kernel being timed (cpu_timed's own products)
+    timing = timed_choices.pinned()  # a kernel being timed (_time_one_piece's products)
     if timing is not None and pieces == 1:
         return Strategy(timing, f"timing ({m} rows, {n} ids): {timing}", 1)
     if _UNSORTED_KERNEL == "pull":
@@ -411,11 +414,55 @@ def choose(
                 return None
             return _one_piece_rule(rows, ids, n_features, itemsize, reduce).kernel
 
-        timed = cpu_timed.choice(m, n, n_features, itemsize, rule_at)
+        timed = timed_choices.choice(
+            m, n, n_features, itemsize, rule_at, _time_one_piece, library_path()
+        )
         if timed is not None:
             found, path = timed
             return Strategy(found.kernel, f"one piece ({m} rows, {n} ids): {found.reason(path)}", 1)
     return rule
+
+
+_TIMED_ROUNDS, _TIMED_MAX_ROUNDS = 7, 41  # alternating rounds; medians over them
+_TIMED_ROUND_BUDGET_S = 0.3  # more rounds where they are this quick in all
+
+
+def _time_one_piece(
+    rows: int, ids: int, n_features: int, itemsize: int, kernels: tuple[str, ...]
+) -> dict[str, float]:
+    """Each of ``kernels``' median time (us) for a one-piece sum of ``ids`` uniform
+    random ids (a fixed seed) into ``rows`` rows of ``n_features`` features (float32,
+    or bfloat16 for 2 bytes): the structure an argument, as a training step passes its
+    matrix; two calls each, then alternating rounds (7, or up to 41 where they take
+    under 0.3 s in all). :mod:`jaxcsr.timed_choices` calls it, once per shape class."""
+    rng = np.random.default_rng(20261207)
+    idx = rng.integers(0, rows, ids, dtype=np.int32)
+    view = jax.device_put(host_plan.structure_from_segment_ids(idx, rows))
+    dtype = jnp.float32 if itemsize == 4 else jnp.bfloat16
+    x = jnp.asarray(rng.standard_normal((ids, n_features), np.float32)).astype(dtype)
+
+    def run(v, x):
+        return product(
+            x, None, v, None, reduce="sum", out_dtype=dtype, interpret=False, platform="cpu"
+        )
+
+    compiled = {}
+    for kernel in kernels:
+        with timed_choices.pin(kernel):  # read when traced
+            compiled[kernel] = functools.partial(jax.jit(run).lower(view, x).compile(), view)
+        jax.block_until_ready(compiled[kernel](x))
+    start = time.perf_counter()
+    for kernel in kernels:
+        jax.block_until_ready(compiled[kernel](x))
+    once = time.perf_counter() - start  # a round
+    rounds = max(_TIMED_ROUNDS, min(_TIMED_MAX_ROUNDS, int(_TIMED_ROUND_BUDGET_S / once)))
+    times: dict[str, list[float]] = {k: [] for k in kernels}
+    for _ in range(rounds):
+        for kernel in kernels:
+            start = time.perf_counter()
+            jax.block_until_ready(compiled[kernel](x))
+            times[kernel].append(time.perf_counter() - start)
+    return {k: float(np.median(v) * 1e6) for k, v in times.items()}
 
 
 def _one_piece_rule(m: int, n: int, n_features: int, itemsize: int, reduce: str) -> Strategy:

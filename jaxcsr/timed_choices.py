@@ -1,4 +1,4 @@
-"""Timed choices between CPU kernels that compute the same bits.
+"""Timed choices between CPU kernels that compute the same bits, stored per machine.
 
 Static unsorted segment ids whose push takes one piece can run three kernels that add
 each row's values in input order, so they give the same bits: the pull through the
@@ -6,7 +6,9 @@ planned sort, the push with its features split over the threads, and XLA's scatt
 (float32 only: it adds in the values' dtype). The rule :func:`jaxcsr.kernels.cpu.choose`
 applies picks one from the sizes; which one is fastest differs between machines
 (``benchmarks/results/cpu-epyc/timed_choice/``). Here the candidates are timed once
-per machine and *shape class*, and the result stored for every later process.
+per machine and *shape class*, and the result stored for every later process. This
+module keeps the classes, the store and the margin; the CPU backend
+(:mod:`jaxcsr.kernels.cpu`) runs its own kernels for the timing.
 
 A shape class is a float32 or 16-bit sum with ``F`` features (1 to
 :data:`MAX_FEATURES`) of ``m`` rows and ``n`` ids, both rounded to the nearest quarter
@@ -34,18 +36,14 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import datetime
-import functools
 import hashlib
 import json
 import math
 import os
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-
-import numpy as np
 
 from jaxcsr import machine
 
@@ -57,7 +55,9 @@ __all__ = [
     "choice",
     "choices_file",
     "enabled",
+    "pin",
     "pinned",
+    "library_stamp",
     "shape_class",
     "stored",
 ]
@@ -73,12 +73,12 @@ shorter (a noisy machine must not trade a choice for its spread)."""
 _STEPS_PER_OCTAVE = 4  # shape classes: sizes within 9% (a cache's edge is that sharp)
 _MIN_VALUES = 1 << 15  # ids x features below this: the call costs more than the choice
 _MAX_X_BYTES = 256 << 20  # the timed operand at most this large (about a second)
-_ROUNDS, _MAX_ROUNDS = 7, 41  # alternating rounds; each candidate's median over them
-_ROUND_BUDGET_S = 0.3  # more rounds where they are this quick in all
+TimeCandidates = Callable[[int, int, int, int, tuple[str, ...]], dict[str, float]]
+"""``(rows, ids, n_features, itemsize, kernels) -> {kernel: median us}``."""
 
 _PIN = threading.local()
 _LOCK = threading.Lock()
-_LOADED: dict[Path, dict] = {}
+_LOADED: dict[tuple[Path, str | None], dict] = {}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -117,13 +117,14 @@ def enabled() -> bool:
 
 
 def pinned() -> str | None:
-    """The kernel this thread is timing (products traced by :func:`choice`'s own
-    measurement run it), else ``None``."""
+    """The kernel products traced on this thread run (:func:`pin`), else ``None``."""
     return getattr(_PIN, "kernel", None)
 
 
 @contextlib.contextmanager
-def _pin(kernel: str) -> Iterator[None]:
+def pin(kernel: str) -> Iterator[None]:
+    """Products traced inside the block, on this thread, run ``kernel`` where they
+    would be timed (the timing's own products; tests)."""
     _PIN.kernel = kernel
     try:
         yield
@@ -164,11 +165,9 @@ def choices_file() -> Path:
     return profile_file.with_name(profile_file.name.replace("machine-", "choices-", 1))
 
 
-def _library_stamp() -> str:
-    """The built library the choices were timed with (its path, size and time)."""
-    from jaxcsr.kernels import cpu
-
-    path = cpu.library_path()
+def library_stamp(path: Path | None) -> str:
+    """A stamp of the built library at ``path`` (its path, size and time): choices
+    timed with another build are timed again."""
     if path is None:
         return "none"
     try:
@@ -179,27 +178,30 @@ def _library_stamp() -> str:
     return hashlib.sha256(stamp.encode()).hexdigest()[:16]
 
 
-def _read(path: Path) -> dict:
-    """The stored choices of this library build (empty where none validate)."""
-    if path in _LOADED:
-        return _LOADED[path]
+def _read(path: Path, library: str | None) -> dict:
+    """The choices stored at ``path`` for the library build stamped ``library`` (any
+    build: ``None``), empty where none validate."""
+    if (path, library) in _LOADED:
+        return _LOADED[path, library]
     found: dict = {}
     try:
         record = json.loads(path.read_text())
-        if isinstance(record, dict) and record.get("library") == _library_stamp():
+        if isinstance(record, dict) and library in (None, record.get("library")):
             for key, entry in record.get("choices", {}).items():
                 with contextlib.suppress(KeyError, TypeError, ValueError):
                     found[key] = _parse(entry)
     except (OSError, ValueError):
         pass
-    _LOADED[path] = found
+    _LOADED[path, library] = found
     return found
 
 
-def stored() -> dict[str, TimedChoice]:
-    """The choices stored for this machine and library build, by shape class."""
+def stored(library: Path | None = None) -> dict[str, TimedChoice]:
+    """The choices stored for this machine, by shape class: those timed with the
+    library build at ``library`` (``None``: with any build)."""
     with _LOCK:
-        return dict(_read(choices_file()))
+        stamp = None if library is None else library_stamp(library)
+        return dict(_read(choices_file(), stamp))
 
 
 def _parse(entry: dict) -> TimedChoice:
@@ -217,9 +219,9 @@ def _parse(entry: dict) -> TimedChoice:
     )  # fmt: skip
 
 
-def _write(path: Path, choices: dict[str, TimedChoice]) -> None:
+def _write(path: Path, library: str, choices: dict[str, TimedChoice]) -> None:
     record = {
-        "library": _library_stamp(),
+        "library": library,
         "choices": {
             key: {**dataclasses.asdict(c), "measured_at": c.measured_at.isoformat()}
             for key, c in choices.items()
@@ -245,42 +247,15 @@ def _stale(found: TimedChoice, cores: int) -> bool:
     return busy and not (now is not None and now > cores / 2)
 
 
-def _time(rows: int, ids: int, n_features: int, itemsize: int, kernels) -> dict[str, float]:
-    """Each kernel's median time (us) over alternating rounds (7, or up to 41 where
-    they take under 0.3 s in all), after two calls each, on uniform random ids of
-    the class's size from a fixed seed; run on a thread of its own (JAX's trace state
-    is per thread: the product that asked is being traced)."""
-    import jax
-    import jax.numpy as jnp
-
-    from jaxcsr.matrix import CSRMatrix
-
-    times: dict[str, list[float]] = {k: [] for k in kernels}
+def _on_own_thread(time_candidates: TimeCandidates, *args) -> dict[str, float]:
+    """``time_candidates(*args)`` on a thread of its own (JAX's trace state is per
+    thread: the product that asked is being traced), its errors raised here."""
+    times: list[dict[str, float]] = []
     failed: list[BaseException] = []
 
     def measure() -> None:
         try:
-            rng = np.random.default_rng(20261207)
-            ids_np = rng.integers(0, rows, ids, dtype=np.int32)
-            matrix = CSRMatrix.from_indices(ids_np, num_rows=rows)
-            dtype = jnp.float32 if itemsize == 4 else jnp.bfloat16
-            x = jnp.asarray(rng.standard_normal((ids, n_features), np.float32)).astype(dtype)
-            compiled = {}
-            for kernel in kernels:
-                with _pin(kernel):
-                    # the matrix an argument, as a training step passes it
-                    product = jax.jit(lambda a, v: a @ v).lower(matrix, x).compile()
-                    compiled[kernel] = functools.partial(product, matrix)
-                jax.block_until_ready(compiled[kernel](x))
-            start = time.perf_counter()
-            for kernel in kernels:
-                jax.block_until_ready(compiled[kernel](x))
-            once = time.perf_counter() - start  # a round
-            for _ in range(max(_ROUNDS, min(_MAX_ROUNDS, int(_ROUND_BUDGET_S / once)))):
-                for kernel in kernels:
-                    start = time.perf_counter()
-                    jax.block_until_ready(compiled[kernel](x))
-                    times[kernel].append(time.perf_counter() - start)
+            times.append(time_candidates(*args))
         except BaseException as err:  # reported to the caller's thread
             failed.append(err)
 
@@ -289,18 +264,26 @@ def _time(rows: int, ids: int, n_features: int, itemsize: int, kernels) -> dict[
     worker.join()
     if failed:
         raise failed[0]
-    return {k: float(np.median(v) * 1e6) for k, v in times.items()}
+    return times[0]
 
 
 def choice(
-    rows: int, ids: int, n_features: int, itemsize: int, rule_at: Callable[[int, int], str | None]
+    rows: int,
+    ids: int,
+    n_features: int,
+    itemsize: int,
+    rule_at: Callable[[int, int], str | None],
+    time_candidates: TimeCandidates,
+    library: Path | None,
 ) -> tuple[TimedChoice, Path] | None:
     """The stored (or, first, timed) choice for a one-piece sum of these sizes, with
     the file it is stored in; ``None`` where timed choices are off or do not apply
     (the rule decides): a width past :data:`MAX_FEATURES`, too few or too many values,
     a class at whose rounded size ``rule_at(rows, ids)`` gives no rule (the push would
     split into pieces there) or one outside the candidates, or calibration off with
-    nothing stored."""
+    nothing stored. ``time_candidates(rows, ids, n_features, itemsize, kernels)``
+    returns each kernel's median time (us) at the class's size; ``library``: the
+    kernels' build (choices of another build are timed again)."""
     if not enabled() or pinned() is not None or not 1 <= n_features <= MAX_FEATURES:
         return None
     kernels = candidates(n_features, itemsize)
@@ -310,10 +293,10 @@ def choice(
     rule = rule_at(m, n)
     if rule not in kernels:
         return None
-    path = choices_file()
+    path, stamp = choices_file(), library_stamp(library)
     key = shape_class(rows, ids, n_features, itemsize)
     with _LOCK:
-        stored = _read(path)
+        stored = _read(path, stamp)
         found = stored.get(key)
         cores = machine.profile().cores
         if found is not None and (not _stale(found, cores) or not machine._calibration_on()):
@@ -321,15 +304,15 @@ def choice(
         if not machine._calibration_on():
             return None
         load = machine._load_average()
-        times = _time(m, n, n_features, itemsize, kernels)
+        times = _on_own_thread(time_candidates, m, n, n_features, itemsize, kernels)
         best = min(times, key=times.__getitem__)
         kernel = best if times[best] < (1 - MARGIN) * times[rule] else rule
         found = TimedChoice(
             kernel, times, rule, m, n, datetime.datetime.now(datetime.timezone.utc), load
         )
-        stored = {**_read(path), key: found}
-        _write(path, stored)
-        _LOADED[path] = stored
+        stored = {**_read(path, stamp), key: found}
+        _write(path, stamp, stored)
+        _LOADED[path, stamp] = stored
         return found, path
 
 

@@ -1,5 +1,5 @@
 """Timed choices between the CPU kernels that give a one-piece sum's bits
-(jaxcsr.kernels.cpu_timed): what is timed, stored and read back, and that every
+(jaxcsr.timed_choices): what is timed, stored and read back, and that every
 candidate computes the same bits, so the choice never changes a result."""
 
 from __future__ import annotations
@@ -14,7 +14,8 @@ import pytest
 from reference import assert_close, power_law_ids, random_values, reduce_reference
 
 from jaxcsr import CSRMatrix, calibrate
-from jaxcsr.kernels import cpu, cpu_timed
+from jaxcsr import timed_choices as tc
+from jaxcsr.kernels import cpu
 
 if not cpu.available():
     if os.environ.get("JAXCSR_REQUIRE_CPU_KERNELS") == "1":
@@ -22,8 +23,9 @@ if not cpu.available():
     pytest.skip("the CPU library is not built (no C++17 compiler?)", allow_module_level=True)
 
 # A one-piece class whose rule is the pull (4 features under NARROW_SCATTER_MIN_IDS
-# ids: the scatter rule starts there) and which cpu_timed times (2^15 values or more).
+# ids: the scatter rule starts there) and which timed_choices times (2^15 values or more).
 M, K, F = 24000, 40000, 4
+PUSH_FASTEST = {"push": 10, "pull": 90, "xla": 90}
 # the class's size: the quarter powers of two nearest M and K
 CLASS_ROWS, CLASS_IDS = round(2**14.5), round(2**15.25)
 KERNEL_CALL = {"push": "jaxcsr_cpu_push", "pull": "jaxcsr_cpu_pull", "xla": None}
@@ -35,13 +37,13 @@ def timed(tmp_path, monkeypatch):
     monkeypatch.setenv("JAXCSR_CACHE_DIR", str(tmp_path))
     monkeypatch.setenv("JAXCSR_TIMED_CHOICES", "1")
     monkeypatch.delenv("JAXCSR_CALIBRATE", raising=False)
-    cpu_timed._forget()
+    tc._forget()
     yield tmp_path
-    cpu_timed._forget()
+    tc._forget()
 
 
 def fake_times(times: dict[str, float], calls: list):
-    """A stand-in for cpu_timed._time returning ``times`` (us), recording each call."""
+    """A stand-in for cpu._time_one_piece returning ``times`` (us), recording each call."""
 
     def fake(rows, ids, n_features, itemsize, kernels):
         calls.append((rows, ids, n_features, itemsize, tuple(kernels)))
@@ -71,17 +73,17 @@ def problem(rng, k=K, m=M, f=F):
 def test_the_rule_decides_without_timed_choices(rng, timed, monkeypatch):
     monkeypatch.setenv("JAXCSR_TIMED_CHOICES", "0")
     calls: list = []
-    monkeypatch.setattr(cpu_timed, "_time", fake_times({"push": 1, "pull": 9, "xla": 9}, calls))
+    monkeypatch.setattr(cpu, "_time_one_piece", fake_times({"push": 1, "pull": 9, "xla": 9}, calls))
     A, x = problem(rng)
     assert cpu.push_pieces(M, K, F, 4) == 1
     assert runs(A, x) == "pull" and not calls
-    assert not cpu_timed.choices_file().exists()
+    assert not tc.choices_file().exists()
 
 
 def test_a_faster_candidate_is_chosen_stored_and_read_back(rng, timed, monkeypatch):
     calls: list = []
     times = {"push": 50, "pull": 200, "xla": 120}
-    monkeypatch.setattr(cpu_timed, "_time", fake_times(times, calls))
+    monkeypatch.setattr(cpu, "_time_one_piece", fake_times(times, calls))
     A, x = problem(rng)
     assert runs(A, x) == "push"
     # timed once, at the class's size
@@ -90,34 +92,34 @@ def test_a_faster_candidate_is_chosen_stored_and_read_back(rng, timed, monkeypat
     assert_close(y, reduce_reference(A, np.asarray(x, np.float64), "sum")[0], np.float32)
     info = A.plan_info(F).strategies["forward, cpu"]
     assert "timed on this machine" in info and "rule: pull" in info and "push 50 us" in info
-    record = json.loads(cpu_timed.choices_file().read_text())
-    key = cpu_timed.shape_class(M, K, F, 4)
+    record = json.loads(tc.choices_file().read_text())
+    key = tc.shape_class(M, K, F, 4)
     assert record["choices"][key]["kernel"] == "push"
     assert record["choices"][key]["rule"] == "pull"
     # another process (nothing read yet) reads the file and times nothing
-    cpu_timed._forget()
-    monkeypatch.setattr(cpu_timed, "_time", lambda *a: pytest.fail("timed again"))
+    tc._forget()
+    monkeypatch.setattr(cpu, "_time_one_piece", lambda *a: pytest.fail("timed again"))
     other, x2 = problem(rng, k=K + 999, m=M - 777)  # the same class
-    assert cpu_timed.shape_class(M - 777, K + 999, F, 4) == key
+    assert tc.shape_class(M - 777, K + 999, F, 4) == key
     assert runs(other, x2) == "push"
-    assert key in cpu_timed.stored()
+    assert key in tc.stored()
 
 
 def test_the_rule_stays_unless_another_is_faster_by_the_margin(rng, timed, monkeypatch):
     calls: list = []
-    just_under = 200 * (1 - cpu_timed.MARGIN) * 1.02
+    just_under = 200 * (1 - tc.MARGIN) * 1.02
     times = {"push": just_under, "pull": 200, "xla": 250}
-    monkeypatch.setattr(cpu_timed, "_time", fake_times(times, calls))
+    monkeypatch.setattr(cpu, "_time_one_piece", fake_times(times, calls))
     A, x = problem(rng)
     assert runs(A, x) == "pull" and len(calls) == 1
-    assert cpu_timed.stored()[cpu_timed.shape_class(M, K, F, 4)].kernel == "pull"
+    assert tc.stored()[tc.shape_class(M, K, F, 4)].kernel == "pull"
 
 
 def test_what_is_timed_and_what_is_not(rng, timed, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(cpu_timed, "_time", fake_times({"push": 1, "pull": 9, "xla": 9}, calls))
-    assert cpu_timed.candidates(1, 4) == ("push", "xla")  # the pull: eight lanes at F = 1
-    assert cpu_timed.candidates(4, 2) == ("push", "pull")  # 16-bit: no scatter
+    monkeypatch.setattr(cpu, "_time_one_piece", fake_times({"push": 1, "pull": 9, "xla": 9}, calls))
+    assert tc.candidates(1, 4) == ("push", "xla")  # the pull: eight lanes at F = 1
+    assert tc.candidates(4, 2) == ("push", "pull")  # 16-bit: no scatter
     ids = power_law_ids(rng, K, M)
     rng.shuffle(ids)
     A = CSRMatrix.from_indices(ids, M)
@@ -141,26 +143,32 @@ def test_what_is_timed_and_what_is_not(rng, timed, monkeypatch):
 
 def test_calibration_off_reads_stored_choices_but_times_none(rng, timed, monkeypatch):
     monkeypatch.setenv("JAXCSR_CALIBRATE", "0")
-    monkeypatch.setattr(cpu_timed, "_time", lambda *a: pytest.fail("timed with calibration off"))
+    monkeypatch.setattr(
+        cpu, "_time_one_piece", lambda *a: pytest.fail("timed with calibration off")
+    )
     A, x = problem(rng)
     assert runs(A, x) == "pull"  # nothing stored: the rule
     monkeypatch.delenv("JAXCSR_CALIBRATE")
     calls: list = []
-    monkeypatch.setattr(cpu_timed, "_time", fake_times({"push": 10, "pull": 90, "xla": 90}, calls))
+    monkeypatch.setattr(
+        cpu, "_time_one_piece", fake_times({"push": 10, "pull": 90, "xla": 90}, calls)
+    )
     assert cpu.choose(A.structure, F).kernel == "push" and len(calls) == 1
     monkeypatch.setenv("JAXCSR_CALIBRATE", "0")
-    cpu_timed._forget()
+    tc._forget()
     assert cpu.choose(A.structure, F).kernel == "push" and len(calls) == 1
 
 
 def test_choices_of_another_build_or_too_old_are_timed_again(rng, timed, monkeypatch):
     calls: list = []
-    monkeypatch.setattr(cpu_timed, "_time", fake_times({"push": 10, "pull": 90, "xla": 90}, calls))
+    monkeypatch.setattr(
+        cpu, "_time_one_piece", fake_times({"push": 10, "pull": 90, "xla": 90}, calls)
+    )
     A, _ = problem(rng)
     assert cpu.choose(A.structure, F).kernel == "push" and len(calls) == 1
-    path = cpu_timed.choices_file()
+    path = tc.choices_file()
     record = json.loads(path.read_text())
-    key = cpu_timed.shape_class(M, K, F, 4)
+    key = tc.shape_class(M, K, F, 4)
     for damage in ("another build", "too old", "not a number"):
         changed = json.loads(json.dumps(record))
         if damage == "another build":
@@ -170,20 +178,20 @@ def test_choices_of_another_build_or_too_old_are_timed_again(rng, timed, monkeyp
         else:
             changed["choices"][key]["times_us"]["push"] = "fast"
         path.write_text(json.dumps(changed))
-        cpu_timed._forget()
+        tc._forget()
         before = len(calls)
         assert cpu.choose(A.structure, F).kernel == "push" and len(calls) == before + 1, damage
 
 
 def test_calibrate_drops_stored_choices(rng, timed, monkeypatch, capsys):
-    monkeypatch.setattr(cpu_timed, "_time", fake_times({"push": 10, "pull": 90, "xla": 90}, []))
+    monkeypatch.setattr(cpu, "_time_one_piece", fake_times({"push": 10, "pull": 90, "xla": 90}, []))
     A, _ = problem(rng)
     cpu.choose(A.structure, F)
     calibrate.main(["--show"])
     assert "push (rule: pull" in capsys.readouterr().out
-    assert cpu_timed.choices_file().exists()
+    assert tc.choices_file().exists()
     calibrate.main([])
-    assert not cpu_timed.choices_file().exists()
+    assert not tc.choices_file().exists()
     assert "removed" in capsys.readouterr().out
 
 
@@ -204,8 +212,8 @@ def test_every_candidate_gives_the_same_bits(rng, f):
             itemsize = np.dtype(dtype).itemsize
             x = jnp.asarray(random_values(rng, (k, f))).astype(dtype)
             results = {}
-            for kernel in cpu_timed.candidates(f, itemsize):
-                with cpu_timed._pin(kernel):
+            for kernel in tc.candidates(f, itemsize):
+                with tc.pin(kernel):
                     assert runs(B, x) == kernel
                     results[kernel] = np.asarray(jax.jit(lambda B, x: B @ x)(B, x))
             first = next(iter(results.values()))
@@ -223,7 +231,7 @@ def test_a_real_timing_stores_positive_times_and_keeps_the_bits(rng, timed, monk
         m.setenv("JAXCSR_TIMED_CHOICES", "0")
         by_rule = np.asarray(jax.jit(lambda B, x: B @ x)(A, x))
     y = np.asarray(jax.jit(lambda B, x: B @ x)(A, x))
-    found = cpu_timed.stored()[cpu_timed.shape_class(M, K, F, 4)]
+    found = tc.stored()[tc.shape_class(M, K, F, 4)]
     assert set(found.times_us) == {"push", "pull", "xla"}
     assert all(t > 0 for t in found.times_us.values()) and found.kernel in found.times_us
     assert found.rule == "pull" and (found.rows, found.ids) == (CLASS_ROWS, CLASS_IDS)
