@@ -79,6 +79,7 @@ TimeCandidates = Callable[[int, int, int, int, tuple[str, ...]], dict[str, float
 _PIN = threading.local()
 _LOCK = threading.Lock()
 _LOADED: dict[tuple[Path, str | None], dict] = {}
+_FAILED: set[str] = set()  # classes whose timing failed in this process: the rule
 
 
 @dataclasses.dataclass(frozen=True)
@@ -301,10 +302,21 @@ def choice(
         cores = machine.profile().cores
         if found is not None and (not _stale(found, cores) or not machine._calibration_on()):
             return found, path
-        if not machine._calibration_on():
+        if not machine._calibration_on() or key in _FAILED:
             return None
         load = machine._load_average()
-        times = _on_own_thread(time_candidates, m, n, n_features, itemsize, kernels)
+        try:
+            times = _on_own_thread(time_candidates, m, n, n_features, itemsize, kernels)
+        except Exception as err:  # a timing that fails must not fail the product
+            if key not in _FAILED:
+                import warnings
+
+                warnings.warn(
+                    f"jaxcsr: timing the CPU kernels for {key} failed ({err!r}); the "
+                    "rule decides", stacklevel=3,
+                )  # fmt: skip
+            _FAILED.add(key)
+            return None
         best = min(times, key=times.__getitem__)
         kernel = best if times[best] < (1 - MARGIN) * times[rule] else rule
         found = TimedChoice(
@@ -321,3 +333,4 @@ def _forget() -> None:
     the file again)."""
     with _LOCK:
         _LOADED.clear()
+        _FAILED.clear()

@@ -236,3 +236,17 @@ def test_a_real_timing_stores_positive_times_and_keeps_the_bits(rng, timed, monk
     assert all(t > 0 for t in found.times_us.values()) and found.kernel in found.times_us
     assert found.rule == "pull" and (found.rows, found.ids) == (CLASS_ROWS, CLASS_IDS)
     np.testing.assert_array_equal(y, by_rule)
+
+
+def test_a_failed_timing_warns_once_and_leaves_the_rule(rng, timed, monkeypatch):
+    def broken(*args):
+        raise RuntimeError("no timer here")
+
+    monkeypatch.setattr(cpu, "_time_one_piece", broken)
+    A, x = problem(rng)
+    with pytest.warns(UserWarning, match="no timer here"):
+        assert runs(A, x) == "pull"
+    calls: list = []
+    monkeypatch.setattr(cpu, "_time_one_piece", fake_times(PUSH_FASTEST, calls))
+    assert cpu.choose(A.structure, F).kernel == "pull" and not calls  # not again
+    assert not tc.choices_file().exists()

@@ -437,9 +437,10 @@ def _time_one_piece(
     under 0.3 s in all). :mod:`jaxcsr.timed_choices` calls it, once per shape class."""
     rng = np.random.default_rng(20261207)
     idx = rng.integers(0, rows, ids, dtype=np.int32)
-    view = jax.device_put(host_plan.structure_from_segment_ids(idx, rows))
+    device = jax.devices("cpu")[0]  # the CPU's, whatever the default backend
+    view = jax.device_put(host_plan.structure_from_segment_ids(idx, rows), device)
     dtype = jnp.float32 if itemsize == 4 else jnp.bfloat16
-    x = jnp.asarray(rng.standard_normal((ids, n_features), np.float32)).astype(dtype)
+    x = jax.device_put(rng.standard_normal((ids, n_features), np.float32), device).astype(dtype)
 
     def run(v, x):
         return product(
