@@ -15,15 +15,14 @@ A shape class is a float32 or 16-bit sum with ``F`` features (1 to
 power of two (within 9%: which kernel wins changed within 20% of size in the cells
 measured). The candidates run on uniform random ids of exactly that rounded size,
 drawn from a fixed seed, so the stored choice is a function of the machine and the
-class. The
-rule's kernel is kept unless another is faster by :data:`MARGIN` (medians of
-alternating rounds). One pull exception: at one feature the pull sums in eight lanes
+class. The rule's kernel is kept unless another is faster by :data:`MARGIN` (medians
+of alternating rounds). One pull exception: at one feature the pull sums in eight lanes
 (other bits), so only the push and the scatter are timed there.
 
-Timing one class takes about a second, once, when the first product of that class is
-traced. The choices live in ``choices-<machine>.json`` beside the machine profile
+Timing one class takes 0.1-2 s (measured on 2 cores), once, when the first product of
+that class is traced. The choices live in ``choices-<machine>.json`` beside the machine profile
 (:func:`jaxcsr.machine.cache_file`), with the library they were timed with: a rebuilt
-library, a profile older than :data:`jaxcsr.machine.MAX_AGE_DAYS` or one timed under
+library, a choice older than :data:`jaxcsr.machine.MAX_AGE_DAYS` or one timed under
 load (a 1-minute load average above half the cores) on a machine quiet now is timed
 again.
 
@@ -72,7 +71,7 @@ shorter (a noisy machine must not trade a choice for its spread)."""
 
 _STEPS_PER_OCTAVE = 4  # shape classes: sizes within 9% (a cache's edge is that sharp)
 _MIN_VALUES = 1 << 15  # ids x features below this: the call costs more than the choice
-_MAX_X_BYTES = 256 << 20  # the timed operand at most this large (about a second)
+_MAX_X_BYTES = 256 << 20  # the timed operand at most this large (a few seconds)
 TimeCandidates = Callable[[int, int, int, int, tuple[str, ...]], dict[str, float]]
 """``(rows, ids, n_features, itemsize, kernels) -> {kernel: median us}``."""
 
@@ -90,7 +89,7 @@ class TimedChoice:
       kernel: ``"pull"``, ``"push"`` or ``"xla"``.
       times_us: each candidate's median time (microseconds) at the class's size.
       rule: the kernel the rule picks at that size.
-      rows, ids: the class's size (powers of two).
+      rows, ids: the class's size (quarter powers of two).
       measured_at: when it was timed (UTC).
       load: the 1-minute load average then (``None``: not reported).
     """
