@@ -389,7 +389,8 @@ JAXCSR_INLINE void push_rows_narrow(const int32_t* ids, const typename In::Stora
     float* a = acc + r * W;
     const typename In::Storage* v = x + k * W;
     // the row's W products first, then the W updates: loads of x interleaved with
-    // stores to acc (which the compiler must assume may alias them) ran 2.5x slower
+    // stores to acc (which the compiler must assume may alias them) ran slower
+    // (benchmarks/results/cpu-epyc/narrow_push/)
     float add[W];
     for (int i = 0; i < W; ++i) add[i] = w * In::load(v[i]);
     if constexpr (std::is_same<Op, Sum>::value && W == 4) {
