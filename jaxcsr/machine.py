@@ -50,6 +50,7 @@ __all__ = [
     "cache_file",
     "calibrate",
     "profile",
+    "store_json",
     "stored",
     "use",
 ]
@@ -339,17 +340,23 @@ def calibrate(store: bool = True) -> MachineProfile:
         fields.pop("source")
         now = datetime.datetime.now(datetime.timezone.utc)
         record = {"profile": fields, "measured_at": now.isoformat(), "load": load}
-        try:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-                json.dump(record, f, indent=1)
-            os.replace(f.name, path)  # whole or not at all, for concurrent processes
-        except OSError as err:
-            import warnings
-
-            warnings.warn(f"jaxcsr: machine profile not stored at {path}: {err}", stacklevel=2)
+        store_json(path, record, "machine profile")
         _CURRENT = measured
     return measured
+
+
+def store_json(path: Path, record: dict, what: str) -> None:
+    """Writes ``record`` to ``path`` as JSON, whole or not at all (a temporary file
+    replaces it, for concurrent processes); warns, naming ``what``, where it cannot."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
+            json.dump(record, f, indent=1)
+        os.replace(f.name, path)
+    except OSError as err:
+        import warnings
+
+        warnings.warn(f"jaxcsr: {what} not stored at {path}: {err}", stacklevel=3)
 
 
 def stored(path: Path | None = None) -> StoredProfile | None:

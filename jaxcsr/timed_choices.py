@@ -39,7 +39,6 @@ import hashlib
 import json
 import math
 import os
-import tempfile
 import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -228,24 +227,14 @@ def _write(path: Path, library: str, choices: dict[str, TimedChoice]) -> None:
             for key, c in choices.items()
         },
     }
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile("w", dir=path.parent, delete=False) as f:
-            json.dump(record, f, indent=1)
-        os.replace(f.name, path)  # whole or not at all, for concurrent processes
-    except OSError as err:
-        import warnings
-
-        warnings.warn(f"jaxcsr: timed choices not stored at {path}: {err}", stacklevel=3)
+    machine.store_json(path, record, "timed choices")
 
 
 def _stale(found: TimedChoice, cores: int) -> bool:
     age = datetime.datetime.now(datetime.timezone.utc) - found.measured_at
     if not 0 <= age.total_seconds() <= machine.MAX_AGE_DAYS * 86400:
         return True
-    busy = found.load is not None and found.load > cores / 2
-    now = machine._load_average()
-    return busy and not (now is not None and now > cores / 2)
+    return machine._busy(found.load, cores) and not machine._busy(machine._load_average(), cores)
 
 
 def _on_own_thread(time_candidates: TimeCandidates, *args) -> dict[str, float]:
@@ -322,9 +311,10 @@ def choice(
         found = TimedChoice(
             kernel, times, rule, m, n, datetime.datetime.now(datetime.timezone.utc), load
         )
-        stored = {**_read(path, stamp), key: found}
+        stored = {**stored, key: found}
         _write(path, stamp, stored)
         _LOADED[path, stamp] = stored
+        _LOADED.pop((path, None), None)  # the choices of any build: read again
         return found, path
 
 
