@@ -249,6 +249,19 @@ def relative_error(actual: np.ndarray, expected: np.ndarray) -> float:
     return err if np.isfinite(err) else float("inf")
 
 
+def segment_sum_f64(x: Any, ids: np.ndarray, m: int) -> np.ndarray:
+    """The float64 segment sum of ``x`` (rows ``(len(ids), N)``) into ``m`` rows: the
+    reference the studies hold the kernels to."""
+    want = np.zeros((m, x.shape[1]))
+    np.add.at(want, ids, np.asarray(x, np.float64))
+    return want
+
+
+def max_abs_error(out: Any, want: np.ndarray) -> float:
+    """The largest absolute difference of ``out`` from ``want``."""
+    return float(np.abs(np.asarray(out, np.float64) - want).max(initial=0.0))
+
+
 def largest_relative_error(actual: Any, expected: Any) -> float:
     """:func:`relative_error` of each pair of leaves of two outputs of the same
     structure (an output, or an output and its gradient), the largest."""

@@ -69,7 +69,7 @@ def main(argv=None) -> dict:
                 fns["xla"] = jax.jit(lambda A, x: matmul(A, x, impl="xla"))
                 thunks = {k: functools.partial(f, A, x) for k, f in fns.items()}
                 timings, outs = measure.time_in_turns(thunks, args.repeats)
-                want = _segment_sum_f64(x, ids, m)
+                want = measure.segment_sum_f64(x, ids, m)
                 bits = {k: np.asarray(o).view(np.uint8) for k, o in outs.items()}
                 same = {k: bool(np.array_equal(bits[k], bits["push"])) for k in ("pull", "xla")}
                 row = {
@@ -82,7 +82,7 @@ def main(argv=None) -> dict:
                     "output_mib": m * n * 4 / 2**20,
                     "ms": {k: t.median_s * 1e3 for k, t in timings.items()},
                     "same_bits": same,
-                    "max_abs_error": {k: _error(o, want) for k, o in outs.items()},
+                    "max_abs_error": {k: measure.max_abs_error(o, want) for k, o in outs.items()},
                 }
                 rows.append(row)
                 print(
@@ -136,18 +136,6 @@ def main(argv=None) -> dict:
     report.write_study(args.out, "pull_or_push", result, text)
     print(text)
     return result
-
-
-def _segment_sum_f64(x, ids: np.ndarray, m: int) -> np.ndarray:
-    """The float64 segment sum of ``x`` (the reference both kernels are held to)."""
-    want = np.zeros((m, x.shape[1]))
-    np.add.at(want, ids, np.asarray(x, np.float64))
-    return want
-
-
-def _error(out, want: np.ndarray) -> float:
-    """The largest absolute difference of ``out`` from ``want``."""
-    return float(np.abs(np.asarray(out, np.float64) - want).max(initial=0.0))
 
 
 if __name__ == "__main__":

@@ -35,16 +35,17 @@ from jaxcsr.kernels import cpu
 
 
 @contextlib.contextmanager
-def _timed_choices(on: bool):
-    saved = os.environ.get("JAXCSR_TIMED_CHOICES")
-    os.environ["JAXCSR_TIMED_CHOICES"] = "1" if on else "0"
+def _environment(name: str, value: str):
+    """``os.environ[name] = value`` inside the block, as it was after."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
     try:
         yield
     finally:
         if saved is None:
-            del os.environ["JAXCSR_TIMED_CHOICES"]
+            del os.environ[name]
         else:
-            os.environ["JAXCSR_TIMED_CHOICES"] = saved
+            os.environ[name] = saved
 
 
 def main(argv=None) -> dict:
@@ -68,27 +69,22 @@ def main(argv=None) -> dict:
     profile_file = machine.cache_file()
     machine.profile()  # measured (and stored) before the cache directory moves
     scratch = Path(tempfile.mkdtemp(prefix="jaxcsr-timed-choice-"))
-    saved_dir = os.environ.get("JAXCSR_CACHE_DIR")
     if profile_file.exists():
         shutil.copy(profile_file, scratch / profile_file.name)
-    os.environ["JAXCSR_CACHE_DIR"] = str(scratch)
     rng = np.random.default_rng(0)
     rows = []
     try:
-        synthetic = [v for v in args.synthetic.split(",") if v]
-        graphs = [g for g in args.graphs.split(",") if g]
-        for label, ids, m in shuffled_and_uniform_ids(graphs, synthetic, rng):
-            ids = np.asarray(ids, np.int32)
-            A = CSRMatrix.from_indices(ids, num_rows=m)
-            for n in (int(f) for f in args.features.split(",")):
-                if cpu.push_pieces(m, len(ids), n, 4) != 1:
-                    continue
-                rows.append(_cell(label, A, ids, m, n, rng, args.repeats))
+        with _environment("JAXCSR_CACHE_DIR", str(scratch)):
+            synthetic = [v for v in args.synthetic.split(",") if v]
+            graphs = [g for g in args.graphs.split(",") if g]
+            for label, ids, m in shuffled_and_uniform_ids(graphs, synthetic, rng):
+                ids = np.asarray(ids, np.int32)
+                A = CSRMatrix.from_indices(ids, num_rows=m)
+                for n in (int(f) for f in args.features.split(",")):
+                    if cpu.push_pieces(m, len(ids), n, 4) != 1:
+                        continue
+                    rows.append(_cell(label, A, ids, m, n, rng, args.repeats))
     finally:
-        if saved_dir is None:
-            os.environ.pop("JAXCSR_CACHE_DIR", None)
-        else:
-            os.environ["JAXCSR_CACHE_DIR"] = saved_dir
         shutil.rmtree(scratch, ignore_errors=True)
     result = {**report.provenance("benchmarks.studies.timed_choice", argv)}
     result.update(machine=machine.profile().summary(), rows=rows)
@@ -100,10 +96,10 @@ def main(argv=None) -> dict:
 
 def _cell(label, A, ids, m, n, rng, repeats) -> dict:
     x = jnp.asarray(rng.uniform(-1, 1, (len(ids), n)), jnp.float32)
-    with _timed_choices(False):
+    with _environment("JAXCSR_TIMED_CHOICES", "0"):
         rule_kernel = cpu.choose(A.structure, n).kernel
         rule = jax.jit(lambda A, x: A @ x).lower(A, x).compile()
-    with _timed_choices(True):
+    with _environment("JAXCSR_TIMED_CHOICES", "1"):
         start = time.perf_counter()
         strategy = cpu.choose(A.structure, n)  # the timing, once per class
         timing_s = time.perf_counter() - start
@@ -116,9 +112,7 @@ def _cell(label, A, ids, m, n, rng, repeats) -> dict:
     }
     timings, outs = measure.time_in_turns(thunks, repeats)
     same = bool(np.array_equal(np.asarray(outs["rule"]), np.asarray(outs["timed"])))
-    want = np.zeros((m, n))
-    np.add.at(want, ids, np.asarray(x, np.float64))
-    error = float(np.abs(np.asarray(outs["timed"], np.float64) - want).max(initial=0.0))
+    error = measure.max_abs_error(outs["timed"], measure.segment_sum_f64(x, ids, m))
     row = {
         "structure": label,
         "rows": m,
