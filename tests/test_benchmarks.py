@@ -465,8 +465,9 @@ def test_cpu_native_study(tmp_path):
 
 
 def test_allocator_study(tmp_path):
-    """Both glibc settings run in their own process; every system times, the gathers
-    agree (checked in the child)."""
+    """Every setting (glibc's, the huge-page advice off, glibc's huge pages, heap reuse)
+    runs in its own process; every system times, the gathers agree (checked in the
+    child)."""
     from benchmarks.studies import allocator
 
     argv = ["--graph", "cora", "--features", "4", "--repeats", "1", "--out", str(tmp_path)]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import json
 import os
 import shutil
 import subprocess
@@ -1098,6 +1099,35 @@ def test_instruction_sets_give_the_same_bits(tmp_path, rng):
         assert results[cap].keys() == results[""].keys()
         for key, value in results[""].items():
             np.testing.assert_array_equal(results[cap][key], value, err_msg=f"{cap}: {key}")
+
+
+@pytest.mark.skipif(
+    not Path("/sys/kernel/mm/transparent_hugepage/enabled").exists(),
+    reason="Linux without transparent huge pages: the advice is refused",
+)
+def test_large_fresh_outputs_are_advised_huge_pages_with_the_same_bits(tmp_path, rng):
+    """Outputs past glibc's mmap threshold (fresh pages) of the row gather, a sum and the
+    softmax: their mappings carry the huge-page advice (``hg``) unless
+    ``JAXCSR_HUGE_PAGES=0``, and the bytes are the same either way. GLIBC_TUNABLES is
+    unset in both runs (with ``glibc.malloc.hugetlb=1`` glibc advises it itself)."""
+    seed = str(int(rng.integers(0, 2**31)))
+    env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "JAXCSR_HUGE_PAGES")}
+    results = {}
+    for setting in ("default", "0"):
+        path = tmp_path / f"{setting}.json"
+        run_env = env if setting == "default" else {**env, "JAXCSR_HUGE_PAGES": setting}
+        done = subprocess.run(
+            [sys.executable, str(PROGRAMS / "huge_pages.py"), str(path), seed],
+            capture_output=True, text=True, timeout=600, env=run_env,
+        )  # fmt: skip
+        assert done.returncode == 0, done.stderr[-3000:]
+        results[setting] = json.loads(path.read_text())
+    assert results["default"].keys() == {"gather", "sum", "softmax"}
+    for name, advised in results["default"].items():
+        kept = results["0"][name]
+        assert advised["digest"] == kept["digest"], name
+        assert "hg" in advised["flags"], (name, advised["flags"])
+        assert "hg" not in kept["flags"], (name, kept["flags"])
 
 
 def _cpu_isa_level() -> int:

@@ -17,11 +17,20 @@ turns on a real graph's destinations ``ids`` (``E`` edges, ``V`` nodes):
 ``take columns``     ``c[:, ids]`` in XLA
 ``segment sum``      jaxcsr's ``A @ v``: a ``(V, N)`` output, the control
 
-Settings: ``default`` (``glibc.malloc.hugetlb=1``, the benchmarks' setting) and
-``heap reuse`` (plus ``glibc.malloc.mmap_threshold`` 1 GiB and
-``glibc.malloc.trim_threshold`` 4 GiB: large blocks come from the heap and stay there,
-so a freed output's pages are reused by the next). Writes ``allocator.json`` and
-``allocator.md`` to ``--out``.
+Settings (the environment of each child process):
+
+``glibc default``      no ``GLIBC_TUNABLES``: what a user's process has. glibc advises
+                       nothing; jaxcsr's kernels advise huge pages over their own large
+                       fresh outputs (docs/cpu.md), XLA and torch do not
+``no advice``          the same with ``JAXCSR_HUGE_PAGES=0``: jaxcsr's kernels advise
+                       nothing either (the kernels before that advice)
+``hugetlb``            ``glibc.malloc.hugetlb=1``, the benchmarks' setting: glibc
+                       advises huge pages over every block it maps, for every system
+``heap reuse``         plus ``glibc.malloc.mmap_threshold`` 1 GiB and
+                       ``glibc.malloc.trim_threshold`` 4 GiB: large blocks come from
+                       the heap and stay there, so a freed output's pages are reused
+
+Writes ``allocator.json`` and ``allocator.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -33,10 +42,15 @@ import subprocess
 import sys
 from pathlib import Path
 
-SETTINGS = {
-    "default": "glibc.malloc.hugetlb=1",
-    "heap reuse": "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1073741824"
-    ":glibc.malloc.trim_threshold=4294967296",
+HUGETLB = "glibc.malloc.hugetlb=1"
+HEAP_REUSE = HUGETLB + ":glibc.malloc.mmap_threshold=1073741824"
+HEAP_REUSE += ":glibc.malloc.trim_threshold=4294967296"
+# each setting's environment: None removes the variable
+SETTINGS: dict[str, dict[str, str | None]] = {
+    "glibc default": {"GLIBC_TUNABLES": None, "JAXCSR_HUGE_PAGES": None},
+    "no advice": {"GLIBC_TUNABLES": None, "JAXCSR_HUGE_PAGES": "0"},
+    "hugetlb": {"GLIBC_TUNABLES": HUGETLB, "JAXCSR_HUGE_PAGES": None},
+    "heap reuse": {"GLIBC_TUNABLES": HEAP_REUSE, "JAXCSR_HUGE_PAGES": None},
 }
 SYSTEMS = ("row gather", "jnp.take", "torch", "x * 2", "column gather", "take columns")
 SYSTEMS += ("segment sum",)
@@ -103,29 +117,41 @@ def child(graph_name: str, features: list[int], dtype: str, repeats: int) -> lis
     return rows
 
 
+def _environment(setting: dict[str, str | None]) -> dict[str, str]:
+    """This process's environment with ``setting`` applied."""
+    env = dict(os.environ)
+    for name, value in setting.items():
+        env.pop(name, None)
+        if value is not None:
+            env[name] = value
+    return env
+
+
 def markdown(result: dict) -> str:
+    names = list(result["settings"])
     lines = [
         f"### Large outputs and glibc's allocator ({result['graph']}, {result['dtype']}; "
         f"{result['edges']} edges)",
         "",
-        "Medians in ms, systems timed in turns in one process per setting; `default` = "
-        f"`GLIBC_TUNABLES={SETTINGS['default']}`, `heap reuse` = "
-        f"`GLIBC_TUNABLES={SETTINGS['heap reuse']}`.",
+        "Medians in ms, systems timed in turns in one process per setting: "
+        "`glibc default` = no `GLIBC_TUNABLES` (jaxcsr's kernels advise huge pages over "
+        "their large fresh outputs), `no advice` = the same with `JAXCSR_HUGE_PAGES=0`, "
+        f"`hugetlb` = `GLIBC_TUNABLES={HUGETLB}` (the benchmarks' setting), `heap reuse` = "
+        f"`GLIBC_TUNABLES={HEAP_REUSE}`. Last column: `no advice` over `glibc default`.",
         "",
-        "| N | output MB | system | default | heap reuse | default / heap reuse |",
-        "|---|---|---|---|---|---|",
+        "| N | output MB | system | " + " | ".join(names) + " | no advice / glibc default |",
+        "|---|---|---|" + "---|" * len(names) + "---|",
     ]
     by_setting = result["settings"]
-    for i, row in enumerate(by_setting["default"]):
-        other = by_setting["heap reuse"][i]
+    for i, row in enumerate(by_setting[names[0]]):
         for system in SYSTEMS:
             if system not in row["ms"]:
                 continue
-            a, b = row["ms"][system], other["ms"][system]
-            lines.append(
-                f"| {row['features']} | {row['output_mb']:.0f} | {system} | {a:.2f} | {b:.2f} "
-                f"| {a / b:.2f}x |"
-            )
+            ms = [by_setting[name][i]["ms"][system] for name in names]
+            ratio = by_setting["no advice"][i]["ms"][system] / row["ms"][system]
+            cells = " | ".join(f"{t:.2f}" for t in ms)
+            head = f"| {row['features']} | {row['output_mb']:.0f} | {system}"
+            lines.append(f"{head} | {cells} | {ratio:.2f}x |")
     return "\n".join(lines) + "\n"
 
 
@@ -150,11 +176,11 @@ def main(argv=None) -> dict:
     from benchmarks.datasets import load_graph
 
     settings = {}
-    for name, tunables in SETTINGS.items():
+    for name, setting in SETTINGS.items():
         command = [sys.executable, "-m", "benchmarks.studies.allocator", "--child"]
         command += ["--graph", args.graph, "--features", args.features]
         command += ["--dtype", args.dtype, "--repeats", str(args.repeats)]
-        env = {**os.environ, "GLIBC_TUNABLES": tunables}
+        env = _environment(setting)
         done = subprocess.run(command, env=env, capture_output=True, text=True, check=True)
         settings[name] = json.loads(done.stdout.strip().splitlines()[-1])
         print(f"{name}: {settings[name]}", flush=True)

@@ -208,6 +208,7 @@ ffi::Error ArgSearchImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
     return ffi::Error::InvalidArgument("jaxcsr cpu: ids/data/operand do not match");
   }
   const int32_t* cols = pointer && count == 0 ? nullptr : index.typed_data();
+  advise_huge_pages(result->typed_data(), static_cast<int64_t>(result->size_bytes()));
   auto go = [&](auto tag) {
     return ArgKernel<decltype(tag)>::run(pool, max_threads, pointer, cols,
                                          has_data ? data.untyped_data() : nullptr,
@@ -269,6 +270,7 @@ ffi::Error PutAttainingImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> rows,
       cd[1] != td[1] || yd[0] != n || yd[1] != td[1] || ct.element_type() != y->element_type())
     return ffi::Error::InvalidArgument("jaxcsr cpu: put_attaining shapes do not match");
   const int64_t m = td[0], f = td[1];
+  advise_huge_pages(y->untyped_data(), static_cast<int64_t>(y->size_bytes()));
   switch (ffi::ByteWidth(ct.element_type())) {
     case 4:
       put_attaining(pool, max_threads, rows.typed_data(), columns.typed_data(),

@@ -205,6 +205,46 @@ inline int64_t thread_count(ffi::ThreadPool& pool, int64_t max_threads) {
 }
 
 // Chunks for ``work`` elements: one per ``grain``, at most ``per_thread`` per thread;
+// ------------------------------------------------------------------ huge pages
+// An output this large usually comes from the allocator as pages never touched: glibc
+// maps blocks past its mmap threshold (at most 32 MiB) anew for every call, and Linux
+// faults in and zeroes each 4 KiB page at the kernel's first store into it -- which
+// cost the row gather 3.6x its time on the 2-core EPYC (a virtual machine, where a
+// fault costs more; benchmarks/results/cpu-epyc/allocator/). Where transparent huge
+// pages are on "madvise" (the usual default) the kernels ask for them over the whole
+// 2 MiB pages inside such an output before they first write it: one fault per 2 MiB,
+// as numpy asks for its own large arrays.
+// Memory policy only: the bits never change. Outputs whose first page is already
+// mapped (a reused block) are left as they are; JAXCSR_HUGE_PAGES=0 turns it off (read
+// once per process).
+inline constexpr int64_t kHugePageBytes = int64_t{1} << 21;
+
+inline bool huge_pages_allowed() {
+  static const bool allowed = [] {
+    const char* v = std::getenv("JAXCSR_HUGE_PAGES");
+    return v == nullptr || std::strcmp(v, "0") != 0;
+  }();
+  return allowed;
+}
+
+// Advises huge pages for the 2 MiB pages wholly inside [p, p + bytes) when that range
+// holds at least one and its first is not mapped yet (Linux; elsewhere nothing).
+inline void advise_huge_pages(void* p, int64_t bytes) {
+#if defined(__linux__) && defined(MADV_HUGEPAGE)
+  if (bytes < 2 * kHugePageBytes || !huge_pages_allowed()) return;
+  constexpr uintptr_t huge = static_cast<uintptr_t>(kHugePageBytes);
+  const uintptr_t start = reinterpret_cast<uintptr_t>(p);
+  const uintptr_t lo = (start + huge - 1) & ~(huge - 1);
+  const uintptr_t hi = (start + static_cast<uintptr_t>(bytes)) & ~(huge - 1);
+  if (hi <= lo) return;
+  unsigned char resident = 0;
+  if (mincore(reinterpret_cast<void*>(lo), 1, &resident) == 0 && (resident & 1)) return;
+  madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // refused: 4 KiB pages
+#else
+  (void)p, (void)bytes;
+#endif
+}
+
 // below kSerialWork, one (the calling thread alone): waking a pool thread costs tens
 // of microseconds on the machines measured, about what 2^17 elements take (the
 // timings: benchmarks/results/cpu-xeon-avx512/README.md).

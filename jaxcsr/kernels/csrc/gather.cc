@@ -311,6 +311,7 @@ ffi::Error GatherImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> cols, ffi::Any
   if (has_data && (static_cast<int64_t>(data.element_count()) != rows ||
                    data.element_type() != x.element_type()))
     return ffi::Error::InvalidArgument("jaxcsr cpu: gather values do not match");
+  advise_huge_pages(y->untyped_data(), static_cast<int64_t>(y->size_bytes()));
   return dispatch<GatherKernel>(x.element_type(), y->element_type(), 0, pool, max_threads,
                                 cols.typed_data(), has_data ? data.untyped_data() : nullptr,
                                 x.untyped_data(), y->untyped_data(), rows, n, f, fm,

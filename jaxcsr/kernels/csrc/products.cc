@@ -572,6 +572,7 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
   const int64_t own = f32_sum ? pieces - 1 : pieces;  // partials of their own
   // not value-initialised: every piece (or feature block) fills its own part first
   std::unique_ptr<float[]> partials(own > 0 ? new float[own * rows * f] : nullptr);
+  advise_huge_pages(partials.get(), own * rows * f * int64_t{sizeof(float)});
   // piece p's partial
   const auto part = [&](int64_t p) {
     return f32_sum ? (p == 0 ? reinterpret_cast<float*>(y) : partials.get() + (p - 1) * rows * f)
@@ -748,6 +749,7 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
   const bool has_perm = perm.element_count() > 0;
   if (has_perm && (!has_data || static_cast<int64_t>(perm.element_count()) != nnz))
     return ffi::Error::InvalidArgument("jaxcsr cpu: perm does not match the values");
+  advise_huge_pages(y->untyped_data(), static_cast<int64_t>(y->size_bytes()));
   return dispatch<PullKernel>(x.element_type(), y->element_type(), reduce, pool, max_threads,
                               indptr.typed_data(), has_cols ? cols.typed_data() : nullptr,
                               has_data ? data.untyped_data() : nullptr,
@@ -782,6 +784,7 @@ ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
       (has_data && (static_cast<int64_t>(data.element_count()) != entries ||
                     data.element_type() != x.element_type())))
     return ffi::Error::InvalidArgument("jaxcsr cpu: ids/data/operand do not match");
+  advise_huge_pages(y->untyped_data(), static_cast<int64_t>(y->size_bytes()));
   return dispatch<PushKernel>(x.element_type(), y->element_type(), reduce, pool, max_threads,
                               has_indptr ? indptr.typed_data() : nullptr, ids.typed_data(),
                               has_data ? data.untyped_data() : nullptr, x.untyped_data(),

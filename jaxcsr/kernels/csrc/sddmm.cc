@@ -132,6 +132,7 @@ ffi::Error SddmmImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
       (has_cols && static_cast<int64_t>(cols.element_count()) != entries) ||
       (!by_rows && !has_rows && entries > m) || (!has_cols && entries > n))
     return ffi::Error::InvalidArgument("jaxcsr cpu: sddmm index arrays do not match");
+  advise_huge_pages(out->untyped_data(), static_cast<int64_t>(out->size_bytes()));
   return dispatch<SddmmKernel>(x.element_type(), out->element_type(), 0, pool, max_threads,
                                by_rows ? indptr.typed_data() : nullptr,
                                has_rows ? rows.typed_data() : nullptr,

@@ -851,6 +851,7 @@ ffi::Error SoftmaxImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
   if (!unsorted && (static_cast<int64_t>(indptr.element_count()) != m + 1 || ptr[m] < 0 ||
                     ptr[m] > entries || !valid_indptr(ptr, m, ptr[m])))
     return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
+  advise_huge_pages(y->untyped_data(), static_cast<int64_t>(y->size_bytes()));
   return dispatch<SoftmaxKernel>(x.element_type(), y->element_type(), 0, pool, max_threads, ptr,
                                  unsorted ? ids.typed_data() : nullptr, x.untyped_data(),
                                  tangent ? g.untyped_data() : nullptr, y->untyped_data(), m,
