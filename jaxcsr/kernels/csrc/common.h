@@ -204,7 +204,6 @@ inline int64_t thread_count(ffi::ThreadPool& pool, int64_t max_threads) {
   return max_threads > 0 ? std::min(threads, max_threads) : threads;
 }
 
-// Chunks for ``work`` elements: one per ``grain``, at most ``per_thread`` per thread;
 // ------------------------------------------------------------------ huge pages
 // An output this large usually comes from the allocator as pages never touched: glibc
 // maps blocks past its mmap threshold (at most 32 MiB) anew for every call, and Linux
@@ -245,6 +244,7 @@ inline void advise_huge_pages(void* p, int64_t bytes) {
 #endif
 }
 
+// Chunks for ``work`` elements: one per ``grain``, at most ``per_thread`` per thread;
 // below kSerialWork, one (the calling thread alone): waking a pool thread costs tens
 // of microseconds on the machines measured, about what 2^17 elements take (the
 // timings: benchmarks/results/cpu-xeon-avx512/README.md).
