@@ -213,10 +213,25 @@ inline int64_t thread_count(ffi::ThreadPool& pool, int64_t max_threads) {
 // pages are on "madvise" (the usual default) the kernels ask for them over the whole
 // 2 MiB pages inside such an output before they first write it: one fault per 2 MiB,
 // as numpy asks for its own large arrays.
-// Memory policy only: the bits never change. Outputs whose first page is already
-// mapped (a reused block) are left as they are; JAXCSR_HUGE_PAGES=0 turns it off (read
-// once per process).
+// Memory policy only: the bits never change. Outputs whose first whole 2 MiB page is
+// already mapped (a reused block) are left as they are; JAXCSR_HUGE_PAGES=0 turns it
+// off (read once per process).
 inline constexpr int64_t kHugePageBytes = int64_t{1} << 21;
+
+// Whether the page holding ``address`` is mapped to memory (Linux's mincore; false
+// where it cannot tell, and elsewhere).
+inline bool page_mapped(const void* address) {
+#if defined(__linux__)
+  const int64_t page = sysconf(_SC_PAGESIZE);
+  if (page <= 0) return false;
+  unsigned char resident = 0;
+  void* start = reinterpret_cast<void*>(reinterpret_cast<uintptr_t>(address) / page * page);
+  return mincore(start, 1, &resident) == 0 && (resident & 1);
+#else
+  (void)address;
+  return false;
+#endif
+}
 
 inline bool huge_pages_allowed() {
   static const bool allowed = [] {
@@ -235,9 +250,7 @@ inline void advise_huge_pages(void* p, int64_t bytes) {
   const uintptr_t start = reinterpret_cast<uintptr_t>(p);
   const uintptr_t lo = (start + huge - 1) & ~(huge - 1);
   const uintptr_t hi = (start + static_cast<uintptr_t>(bytes)) & ~(huge - 1);
-  if (hi <= lo) return;
-  unsigned char resident = 0;
-  if (mincore(reinterpret_cast<void*>(lo), 1, &resident) == 0 && (resident & 1)) return;
+  if (hi <= lo || page_mapped(reinterpret_cast<void*>(lo))) return;
   madvise(reinterpret_cast<void*>(lo), hi - lo, MADV_HUGEPAGE);  // refused: 4 KiB pages
 #else
   (void)p, (void)bytes;
