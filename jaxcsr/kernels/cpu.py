@@ -37,7 +37,8 @@ thread count: results are bit-identical for any number of threads.
     rows copied in their dtype, split over threads.
 ``sddmm``
     ``out[k] = ct[row k] . x[col k]`` (:func:`sddmm`, the values' gradient): per row
-    for general views, per entry in input order for one-per-column views.
+    for general views, per entry in input order for one-per-column views; one value
+    per head folds eight heads' sums at once where heads hold whole vectors.
 ``softmax``
     The softmax over rows (:func:`softmax`: ``edge_softmax``, ``segment_softmax``)
     and its tangent, fused: for entries sorted by row, each row's max, ``exp`` and
