@@ -806,7 +806,9 @@ struct SoftmaxKernel {
     const int64_t threads = thread_count(pool, max_threads);
     // the entries after the last row (dropped ids, padded layouts) belong to none
     for (int64_t i = indptr[m] * h; i < entries * h; ++i) y[i] = Out::store(0.0f);
-    const int64_t chunks = chunk_count(indptr[m] * h + m, threads, 8);
+    // a row costs what about 16 values do (its peak, fold and scale: rows of a few
+    // entries of one head are bound by them), so short rows split over threads sooner
+    const int64_t chunks = chunk_count(indptr[m] * h + 16 * m, threads, 8);
     const std::vector<int64_t> starts = row_chunks(indptr, m, chunks);
     parallel_chunks(pool, chunks, threads, [&](int64_t c) {
       std::vector<float> scratch(std::max<int64_t>(h, kRowBuffer + 16));
