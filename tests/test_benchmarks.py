@@ -478,3 +478,18 @@ def test_allocator_study(tmp_path):
         assert all(ms > 0 for ms in rows[0]["ms"].values())
         assert set(allocator.SYSTEMS) - {"torch"} <= set(rows[0]["ms"])
     assert "heap reuse" in (tmp_path / "allocator.md").read_text()
+
+
+def test_gat_parts_study(tmp_path):
+    """Every part of a GAT layer runs in both systems and agrees with jax.ops (3 heads of
+    8 features: the SDDMM's partial group of heads)."""
+    from benchmarks.studies import gat_parts
+
+    result = gat_parts.main(
+        ["--graphs", "cora", "--layers", "3x8", "--repeats", "1", "--out", str(tmp_path)]
+    )
+    assert [row["part"] for row in result["rows"]] == list(gat_parts.PARTS)
+    for row in result["rows"]:
+        assert set(row["ms"]) == set(gat_parts.SYSTEMS) and min(row["ms"].values()) > 0
+        assert row["difference"] < 1e-5, row
+    assert "grad alpha" in (tmp_path / "gat_parts.md").read_text()

@@ -1293,7 +1293,8 @@ def test_values_per_head_run_one_native_pull_with_the_per_head_bits(rng, dtype):
     G, _ = _matrix(rng, "general", m=300, n=1000, k=9000)
     ids = np.sort(power_law_ids(rng, 9000, 300))
     views = {"general": G, "transpose": G.T, "sorted ids": CSRMatrix.from_indices(ids, 300)}
-    for (name, A), (heads, width) in itertools.product(views.items(), [(8, 8), (3, 8), (9, 16), (4, 5)]):
+    shapes = [(8, 8), (3, 8), (9, 16), (4, 5)]  # heads, features a head
+    for (name, A), (heads, width) in itertools.product(views.items(), shapes):
         w = jnp.asarray(random_values(rng, (A.nnz, heads)), dtype)
         x = jnp.asarray(random_values(rng, (A.shape[1], heads, width)), dtype)
         ct = jnp.asarray(random_values(rng, (A.shape[0], heads, width)), dtype)
