@@ -136,19 +136,42 @@ def jraph_step(rng: np.random.Generator, graphs=64, nodes=512, edges=4096, hidde
     return "jraph step", systems, None
 
 
-def gat_step(g, rng: np.random.Generator, heads: int = 8, hidden: int = 8, n_in: int = 64,
-             floor: bool = False):  # fmt: skip
-    """``(workload, systems, None)``: one training step of a two-layer GAT (``heads``
-    x ``hidden`` attention, then one head over 2 classes) on random ``(m, n_in)``
-    features: jaxcsr's ``edge_softmax`` and per-head products against the jax.ops
-    composition (``segment_max``, ``exp``, ``segment_sum``, ``segment_sum`` of the
-    weighted messages) on the same edges. With ``floor``, also :data:`FLOOR`: the
-    softmax and products replaced by ``wh`` scaled by the mean edge score (so the
-    per-edge score gathers still run)."""
+def gat_attention(g) -> tuple[Any, Any, dict[str, tuple[Any, Any]]]:
+    """A GAT's aggregation on graph ``g``: ``(dst, src, systems)`` with ``dst``/``src``
+    the edges in the CSR order of ``A = from_coo(dst, src)`` (sorted by destination),
+    and ``systems`` mapping ``"jaxcsr"`` and ``"jax.ops"`` to ``(softmax, product)``:
+    ``softmax(scores (E, H))`` over each node's incoming edges and ``product(alpha
+    (E, H), wh (m, H, F))`` the per-head weighted sums --
+    jaxcsr's ``edge_softmax`` and per-head products, and the jax.ops composition
+    (``segment_max``, ``exp``, ``segment_sum``, ``segment_sum`` of the weighted
+    messages). The models section's GAT step and ``benchmarks.studies.gat_parts``."""
     m = g.num_nodes
     A = CSRMatrix.from_coo(g.dst, g.src, shape=(m, m))
     order = np.asarray(A.input_order)
     dst, src = jnp.asarray(g.dst[order], jnp.int32), jnp.asarray(g.src[order], jnp.int32)
+
+    def product_jaxcsr(alpha, wh):
+        return jax.vmap(lambda a, v: A.with_data(a) @ v, in_axes=(1, 1), out_axes=1)(alpha, wh)
+
+    def product_ops(alpha, wh):
+        return jax.ops.segment_sum(alpha[:, :, None] * wh[src], dst, m)
+
+    systems = {
+        "jaxcsr": (functools.partial(jaxcsr.edge_softmax, A), product_jaxcsr),
+        "jax.ops": (lambda s: jax_ops_softmax(s, dst, m), product_ops),
+    }
+    return dst, src, systems
+
+
+def gat_step(g, rng: np.random.Generator, heads: int = 8, hidden: int = 8, n_in: int = 64,
+             floor: bool = False):  # fmt: skip
+    """``(workload, systems, None)``: one training step of a two-layer GAT (``heads``
+    x ``hidden`` attention, then one head over 2 classes) on random ``(m, n_in)``
+    features, each system aggregating with its pair of :func:`gat_attention` on the
+    same edges. With ``floor``, also :data:`FLOOR`: the softmax and products replaced
+    by ``wh`` scaled by the mean edge score (so the per-edge score gathers still run)."""
+    m = g.num_nodes
+    dst, src, aggregations = gat_attention(g)
 
     def init(shape):
         return jnp.asarray(rng.normal(0, shape[0] ** -0.5, shape), jnp.float32)
@@ -162,15 +185,9 @@ def gat_step(g, rng: np.random.Generator, heads: int = 8, hidden: int = 8, n_in:
     x = jnp.asarray(rng.uniform(-1, 1, (m, n_in)), jnp.float32)
     labels = jnp.asarray(rng.integers(0, 2, (m, 1)), jnp.int32)
 
-    def attend_jaxcsr(wh, scores):
-        alpha = jaxcsr.edge_softmax(A, scores)  # (E, H) in A's CSR order
-        return jax.vmap(lambda a, v: A.with_data(a) @ v, in_axes=(1, 1), out_axes=1)(alpha, wh)
-
-    def attend_ops(wh, scores):
-        peak = jax.ops.segment_max(jax.lax.stop_gradient(scores), dst, m)
-        e = jnp.exp(scores - peak[dst])
-        alpha = e / jax.ops.segment_sum(e, dst, m)[dst]
-        return jax.ops.segment_sum(alpha[:, :, None] * wh[src], dst, m)
+    def attend_with(system):
+        softmax, product = aggregations[system]
+        return lambda wh, scores: product(softmax(scores), wh)  # scores in A's CSR order
 
     def layer(attend, h, w, a, n_heads):
         wh = (h @ w).reshape(m, n_heads, -1)
@@ -187,7 +204,7 @@ def gat_step(g, rng: np.random.Generator, heads: int = 8, hidden: int = 8, n_in:
         value, grads = jax.value_and_grad(loss)(p)
         return value, jax.tree.map(lambda w, gr: w - 0.1 * gr, p, grads)
 
-    attends = {"jaxcsr": attend_jaxcsr, "jax.ops": attend_ops}
+    attends = {name: attend_with(name) for name in aggregations}
     if floor:
         attends[FLOOR] = lambda wh, scores: wh * jnp.mean(scores, 0)[:, None]
     systems = {

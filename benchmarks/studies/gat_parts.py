@@ -28,30 +28,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-import jaxcsr
-from benchmarks import measure, report
+from benchmarks import measure, models, report
 from benchmarks.datasets import load_graph
 
 SYSTEMS = ("jaxcsr", "jax.ops")
 PARTS = ("softmax", "softmax fwd+bwd", "product", "grad alpha", "grad wh", "layer")
 
 
-def _parts(A: jaxcsr.CSRMatrix, dst, src, m: int) -> dict[str, dict]:
-    """Part -> system -> ``f(scores, wh, ct_edges, ct_nodes)``."""
-
-    def softmax_jaxcsr(s):
-        return jaxcsr.edge_softmax(A, s)
-
-    def softmax_ops(s):
-        peak = jax.ops.segment_max(jax.lax.stop_gradient(s), dst, m)
-        e = jnp.exp(s - peak[dst])
-        return e / jax.ops.segment_sum(e, dst, m)[dst]
-
-    def product_jaxcsr(alpha, wh):
-        return jax.vmap(lambda a, v: A.with_data(a) @ v, in_axes=(1, 1), out_axes=1)(alpha, wh)
-
-    def product_ops(alpha, wh):
-        return jax.ops.segment_sum(alpha[:, :, None] * wh[src], dst, m)
+def _parts(systems: dict) -> dict[str, dict]:
+    """Part -> system -> ``f(scores, wh, ct_edges, ct_nodes)``, from each system's
+    ``(softmax, product)`` (:func:`benchmarks.models.gat_attention`)."""
 
     def cell(softmax, product):
         return {
@@ -65,20 +51,14 @@ def _parts(A: jaxcsr.CSRMatrix, dst, src, m: int) -> dict[str, dict]:
             ),
         }
 
-    by_system = {
-        "jaxcsr": cell(softmax_jaxcsr, product_jaxcsr),
-        "jax.ops": cell(softmax_ops, product_ops),
-    }
+    by_system = {name: cell(*pair) for name, pair in systems.items()}
     return {part: {k: by_system[k][part] for k in SYSTEMS} for part in PARTS}
 
 
 def rows_for(name: str, heads: int, features: int, repeats: int, rng) -> list[dict]:
     g = load_graph(name)
-    m = g.num_nodes
-    A = jaxcsr.CSRMatrix.from_coo(g.dst, g.src, shape=(m, m))
-    order = np.asarray(A.input_order)
-    dst, src = jnp.asarray(g.dst[order], jnp.int32), jnp.asarray(g.src[order], jnp.int32)
-    e = len(order)
+    dst, _, systems = models.gat_attention(g)
+    m, e = g.num_nodes, dst.shape[0]
     args = (
         jnp.asarray(rng.standard_normal((e, heads)), jnp.float32),
         jnp.asarray(rng.standard_normal((m, heads, features)), jnp.float32),
@@ -86,8 +66,8 @@ def rows_for(name: str, heads: int, features: int, repeats: int, rng) -> list[di
         jnp.asarray(rng.standard_normal((m, heads, features)), jnp.float32),
     )
     rows = []
-    for part, systems in _parts(A, dst, src, m).items():
-        thunks = {k: functools.partial(jax.jit(f), *args) for k, f in systems.items()}
+    for part, by_system in _parts(systems).items():
+        thunks = {k: functools.partial(jax.jit(f), *args) for k, f in by_system.items()}
         timings, outs = measure.time_in_turns(thunks, repeats)
         rows.append({
             "graph": name, "edges": e, "heads": heads, "features": features, "part": part,
