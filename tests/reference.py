@@ -169,27 +169,37 @@ def reduce_reference(A, x: np.ndarray, reduce: str) -> tuple[np.ndarray, np.ndar
     """
     m, n = A.shape
     indptr, indices = np.asarray(A.indptr), np.asarray(A.indices)
-    data = None if A.data is None else np.asarray(A.data, np.float64)
     x = np.asarray(x, np.float64)
+    vals = x[indices]  # (nnz, F) in CSR order
+    if A.data is not None:
+        vals = vals * np.asarray(A.data, np.float64)[:, None]
+    counts = np.diff(indptr)
+    rows = np.repeat(np.arange(m), counts)
     out = np.zeros((m, x.shape[1]))
     arg = np.full((m, x.shape[1]), n)
-    for i in range(m):
-        lo, hi = indptr[i], indptr[i + 1]
-        if lo == hi:
-            continue
-        vals = x[indices[lo:hi]]
-        if data is not None:
-            vals = vals * data[lo:hi, None]
-        if reduce in ("sum", "mean"):
-            with np.errstate(invalid="ignore"):  # inf + -inf is NaN, as intended
-                out[i] = vals.sum(0) / (hi - lo if reduce == "mean" else 1)
-        else:
-            best = np.nanargmax if reduce == "max" else np.nanargmin
-            for f in range(x.shape[1]):
-                col = vals[:, f]
-                nan = np.flatnonzero(np.isnan(col))
-                k = nan[0] if nan.size else best(col)
-                out[i, f], arg[i, f] = col[k], indices[lo + k]
+    if reduce in ("sum", "mean"):
+        with np.errstate(invalid="ignore"):  # inf + -inf is NaN, as intended
+            np.add.at(out, rows, vals)
+            if reduce == "mean":
+                out /= np.maximum(counts, 1)[:, None]
+        return out, arg
+    # max/min: the first NaN of a row if it has one, else the first entry attaining
+    # the extreme (CSR order)
+    nnz = vals.shape[0]
+    position = np.broadcast_to(np.arange(nnz)[:, None], vals.shape)
+    nan = np.isnan(vals)
+    fill, extreme = (-np.inf, np.maximum) if reduce == "max" else (np.inf, np.minimum)
+    peak = np.full(out.shape, fill)
+    extreme.at(peak, rows, np.where(nan, fill, vals))
+    first = np.full(out.shape, nnz)
+    np.minimum.at(first, rows, np.where(~nan & (vals == peak[rows]), position, nnz))
+    first_nan = np.full(out.shape, nnz)
+    np.minimum.at(first_nan, rows, np.where(nan, position, nnz))
+    chosen = np.where(first_nan < nnz, first_nan, first)
+    hit = chosen < nnz  # rows with entries
+    features = np.broadcast_to(np.arange(x.shape[1]), out.shape)
+    out[hit] = vals[chosen[hit], features[hit]]
+    arg[hit] = indices[chosen[hit]]
     return out, arg
 
 

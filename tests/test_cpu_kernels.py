@@ -1213,13 +1213,16 @@ def test_sanitizer_build_finds_nothing(tmp_path, rng):
     """AddressSanitizer + UndefinedBehaviorSanitizer build of the kernels (the flags
     setup.py uses with JAXCSR_SANITIZE=1), run on random structures. The build
     instantiates each kernel for outputs of its operand's dtype only
-    (``JAXCSR_SAME_OUTPUT_DTYPE``: the program's products; a third of the compile,
-    about 90 s of one core instead of 205 s)."""
+    (``JAXCSR_SAME_OUTPUT_DTYPE``: the program's products; a third of the compile) and
+    each loop for AVX2 only (``JAXCSR_ONE_ISA``: the baseline and AVX-512 builds of the
+    same source loops are compared bit for bit in test_instruction_sets_give_the_same_bits):
+    about 60 s of one core to compile (90 s with every instruction set, 205 s with every
+    output dtype too). The program runs each width's products as one jitted function."""
     sources = sorted(str(p) for p in (Path(cpu.__file__).parent / "csrc").glob("*.cc"))
     library = tmp_path / "_cpu_kernels_sanitized.so"
     flags = ["-std=c++17", "-O0", "-g", "-fno-omit-frame-pointer", "-fPIC", "-shared"]
     flags += ["-fsanitize=address,undefined", "-fno-sanitize-recover=all"]
-    flags += ["-DJAXCSR_SAME_OUTPUT_DTYPE"]
+    flags += ["-DJAXCSR_SAME_OUTPUT_DTYPE", "-DJAXCSR_ONE_ISA"]
     objects = [tmp_path / f"{Path(source).stem}.o" for source in sources]
     compiles = [  # one compiler per source at once, as setup.py builds them
         subprocess.Popen(

@@ -3,6 +3,8 @@
 
 
 def main() -> None:
+    import functools
+
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -12,8 +14,31 @@ def main() -> None:
 
     assert cpu.available(), cpu.library_path()
     rng = np.random.default_rng(int(__import__("sys").argv[1]))
-    # traced ids (a padded layout), some past the last segment: dropped
-    traced_sum = jax.jit(jaxcsr.segment_sum, static_argnames="num_segments")
+
+    def all_products(A, G, v, x, y, ct_rows, ids, reduce):
+        """Every product of a trial's matrices at one dtype and width; jitted with the
+        matrices closed over (host structures, as outside jit), one program per width
+        and dtype: the compiles, not the kernels, are what take the time here."""
+        m = A.shape[0]
+        Gd = G.with_data(G.data.astype(v.dtype))
+        return (
+            jaxcsr.matmul(A, v, reduce=reduce),
+            jaxcsr.matmul(Gd, x, reduce=reduce),
+            Gd.T @ y,
+            # the planned transpose's values through t_perm (both layouts)
+            jax.grad(lambda x: jnp.sum(Gd @ x))(x),
+            y.T @ Gd,
+            A.T @ y,  # one entry per row: the gather
+            jaxcsr.segment_sum(v, ids, max(m - 1, 1)),  # traced ids: some dropped
+            jaxcsr.sddmm(Gd, ct_rows, x),
+            jaxcsr.sddmm(A.T, v, ct_rows),
+            # the arg search: first columns (pieces), CSR positions (rows)
+            jaxcsr.matmul(A, v, reduce="max", return_arg=True),
+            jaxcsr.matmul(Gd, x, reduce="min", return_arg=True),
+            # the max's gradient: the search, then the put at its columns
+            jax.grad(lambda v: jnp.sum(jaxcsr.matmul(A, v, reduce="max").astype(jnp.float32)))(v),
+        )
+
     for trial in range(4):
         m, n, k = rng.integers(1, 40), rng.integers(1, 60), rng.integers(0, 500)
         ids = rng.integers(0, m, k)
@@ -24,6 +49,7 @@ def main() -> None:
         G = jaxcsr.CSRMatrix.from_coo(
             rows, cols, rng.standard_normal(k).astype(np.float32), shape=(int(m), int(n))
         )
+        products = jax.jit(functools.partial(all_products, A, G), static_argnames="reduce")
         for dtype in (np.float32, jnp.bfloat16, np.float16):
             # one feature, 4 or 3 (the softmax's few-heads loops), and a width per trial:
             # 33 (a loop over features), 16 and 64 (whole vectors; sixteen softmax lanes
@@ -32,29 +58,9 @@ def main() -> None:
                 v = jnp.asarray(rng.standard_normal((k, f)), dtype)
                 x = jnp.asarray(rng.standard_normal((n, f)), dtype)
                 y = jnp.asarray(rng.standard_normal((m, f)), dtype)
+                ct_rows = jnp.asarray(rng.standard_normal((m, f)), dtype)
                 reduce = ("sum", "max", "min")[(trial + f) % 3]
-                for out in (
-                    jaxcsr.matmul(A, v, reduce=reduce),
-                    jaxcsr.matmul(G.with_data(G.data.astype(dtype)), x, reduce=reduce),
-                    G.T.with_data(G.T.data.astype(dtype)) @ y,
-                    # the planned transpose's values through t_perm (both layouts)
-                    jax.grad(lambda x, G=G.with_data(G.data.astype(dtype)): jnp.sum(G @ x))(x),
-                    y.T @ G.with_data(G.data.astype(dtype)),
-                    A.T @ y,  # one entry per row: the gather
-                    traced_sum(v, jnp.asarray(ids), num_segments=max(int(m) - 1, 1)),
-                    jaxcsr.sddmm(G, jnp.asarray(rng.standard_normal((m, f)), dtype), x),
-                    jaxcsr.sddmm(A.T, v, jnp.asarray(rng.standard_normal((m, f)), dtype)),
-                    # the arg search: first columns (pieces), CSR positions (rows)
-                    jaxcsr.matmul(A, v, reduce="max", return_arg=True),
-                    jaxcsr.matmul(
-                        G.with_data(G.data.astype(dtype)), x, reduce="min", return_arg=True
-                    ),
-                    # the max's gradient: the search, then the put at its columns
-                    jax.grad(
-                        lambda v: jnp.sum(jaxcsr.matmul(A, v, reduce="max").astype(jnp.float32))
-                    )(v),
-                ):
-                    jax.block_until_ready(out)
+                jax.block_until_ready(products(v, x, y, ct_rows, ids, reduce=reduce))
                 if dtype != (np.float32, jnp.bfloat16, np.float16)[trial % 3]:
                     continue  # the rest on one dtype per trial (each jit is slow here)
                 # feature-major (values @ B): push or pull, the gather, a general pull
