@@ -702,8 +702,15 @@ def _ties_and_nans(rng, shape, dtype):
     return jnp.asarray(x, dtype)
 
 
-def _searches(view_of, x, data, reduce):
+def _searches(view_of, x, reduce):
     """The native and the fallback's three searches of the max/min, for a view."""
+    native, fallback = _jitted_searches(view_of, x, reduce)
+    return jax.tree.map(np.asarray, native), jax.tree.map(np.asarray, fallback)
+
+
+@functools.partial(jax.jit, static_argnames="reduce")
+def _jitted_searches(view_of, x, reduce):
+    """:func:`_searches` in one program (a compile per view, dtype, width and reduce)."""
     view = view_of.structure
     out = jaxcsr.matmul(view_of, x, reduce=reduce, impl="xla")
     data = None if view_of.data is None else view_of.data.astype(x.dtype)
@@ -714,8 +721,8 @@ def _searches(view_of, x, data, reduce):
     ):
         if name == "positions" and view.one_per_column:
             continue  # searched as columns (the fallback's too)
-        native[name] = np.asarray(jax.jit(kernel)(x, data, view, out))
-        fallback[name] = np.asarray(jax.jit(xla_fn)(x, data, view, out))
+        native[name] = kernel(x, data, view, out)
+        fallback[name] = xla_fn(x, data, view, out)
     return native, fallback
 
 
@@ -732,7 +739,7 @@ def test_native_arg_search_matches_the_fallback(rng, kind):
             for f in (1, 5, 19):  # 19: eight lanes at a time and a tail of three
                 x = _ties_and_nans(rng, (B.shape[1], f), dtype)
                 for reduce in ("max", "min"):
-                    native, fallback = _searches(B, x, B.data, reduce)
+                    native, fallback = _searches(B, x, reduce)
                     for name in native:
                         np.testing.assert_array_equal(native[name], fallback[name], err_msg=name)
         x = random_values(rng, (B.shape[1], 3)).astype(np.float32)
