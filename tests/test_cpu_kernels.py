@@ -85,13 +85,14 @@ KINDS += ["empty_rows", "duplicates"]
 
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_matches_float64(rng, kind):
-    """Sum, max and min of both views, three dtypes, one feature, the fixed-width loops
-    (5, 12), the whole-vector widths (16, 64: 8 * V features; 72, 88, 136: pull blocks
-    of 64 plus a tail of 8, 24 and 8) and others past 32, against float64
-    (max/min: reduce_reference, ties and NaN included)."""
+    """Sum, max, min and mean (its sum carried in float32: 16-bit operands into float32
+    outputs) of both views, three dtypes, one feature, the fixed-width loops (5, 12), the
+    whole-vector widths (16, 64: 8 * V features; 72, 88, 136: pull blocks of 64 plus a
+    tail of 8, 24 and 8) and others past 32, against float64 (max/min:
+    reduce_reference, ties and NaN included)."""
     A, _ = _matrix(rng, kind)
     assert "native" in str(A.plan_info())
-    reduces = ("sum", "max", "min")
+    reduces = ("sum", "max", "min", "mean")
     fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
     for B in (A, A.T):
         for dtype in DTYPES:
@@ -1101,7 +1102,7 @@ def test_instruction_sets_give_the_same_bits(tmp_path, rng):
     cpu_level = _cpu_isa_level()
     for cap, level in (("baseline", 0), ("avx2", 1), ("", 2)):
         assert int(results[cap].pop("isa")) == min(level, cpu_level), cap
-    assert len(results[""]) == 3 * (7 * (3 * 6 + 4) + 2 * 4 * 2)  # dtypes x widths x outputs
+    assert len(results[""]) == 3 * (7 * (3 * 7 + 4) + 2 * 4 * 2)  # dtypes x widths x outputs
     for cap in ("baseline", "avx2"):
         assert results[cap].keys() == results[""].keys()
         for key, value in results[""].items():

@@ -20,7 +20,7 @@ def main() -> None:
     # structures): the compiles, not the kernels, are what take the time here
     def segment_products(these, rows_of, v, y):
         A = jaxcsr.CSRMatrix.from_indices(these, rows_of)
-        outs = {r: jaxcsr.matmul(A, v, reduce=r) for r in ("sum", "max")}
+        outs = {r: jaxcsr.matmul(A, v, reduce=r) for r in ("sum", "max", "mean")}
         outs["gather"] = A.T @ y
         outs["last axis"] = v.T @ A.T
         outs["max grad"] = jax.grad(

@@ -152,6 +152,17 @@ JAXCSR_INLINE void accumulate(float* __restrict acc, const typename In::Storage*
   for (int64_t i = 0; i < f; ++i) acc[i] = Op::combine(acc[i], w * In::load(x[i]));
 }
 
+// Whether In -> Out loops take their own vector code (whole vectors, blocks in
+// registers): float32 or bfloat16 operands into their own dtype or into float32 (the
+// mean's sum, carried in float32). The same operations per value as the loops the
+// compiler vectorises: the same bits. (Float16 converts lane by lane; other pairs do
+// not occur.)
+template <typename In, typename Out>
+constexpr bool vector_code() {
+  return !std::is_same<In, F16>::value &&
+         (std::is_same<In, Out>::value || std::is_same<Out, F32>::value);
+}
+
 // y[0:f] = acc (or 0 for an empty row of max/min, whose acc is still +-inf).
 template <typename Out>
 JAXCSR_INLINE void store_row(typename Out::Storage* __restrict y, const float* __restrict acc,

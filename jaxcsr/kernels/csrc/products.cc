@@ -200,7 +200,7 @@ JAXCSR_INLINE void pull_rows_body(const int32_t* indptr, const int32_t* cols,
     }
     return;
   }
-  if constexpr (!std::is_same<In, F16>::value && std::is_same<In, Out>::value) {
+  if constexpr (vector_code<In, Out>()) {
     switch (f) {
       case 8: return pull_rows_vectors<In, Out, Op, 1>(indptr, cols, data, x, y, lo, hi, n, bad);
       case 16: return pull_rows_vectors<In, Out, Op, 2>(indptr, cols, data, x, y, lo, hi, n, bad);
@@ -301,7 +301,7 @@ struct PullHeads {
                                 const typename In::Storage* data, const typename In::Storage* x,
                                 typename Out::Storage* y, int64_t f, int64_t heads, int64_t lo,
                                 int64_t hi, float* acc, uint64_t n, bool& bad) {
-    if constexpr (!std::is_same<In, F16>::value && std::is_same<In, Out>::value) {
+    if constexpr (vector_code<In, Out>()) {
       if (f == 8 * heads) {
         switch (heads) {
           case 2: return pull_rows_heads_vectors<In, Out, Op, 2>(indptr, cols, data, x, y, lo, hi, n, bad);
@@ -427,7 +427,7 @@ struct PushRows {
       push_rows_narrow<In, Op, decltype(w)::value>(ids, data, x, acc, m, k0, k1);
     };
     if (stride == width && at_fixed_width(width, narrow, FixedWidths{})) return;
-    if constexpr (!std::is_same<In, F16>::value && std::is_same<In, Out>::value) {
+    if constexpr (vector_code<In, Out>()) {
       switch (width) {
         case 8: return push_rows_body<In, Out, Op, 1>(ids, data, x, acc, m, stride, 8, k0, k1);
         case 16: return push_rows_body<In, Out, Op, 2>(ids, data, x, acc, m, stride, 16, k0, k1);
@@ -445,7 +445,7 @@ struct PushRows {
 // loop over features the compiler vectorises.
 template <typename In, typename Out>
 constexpr bool whole_vector_rows(int64_t f) {
-  return !std::is_same<In, F16>::value && std::is_same<In, Out>::value &&
+  return vector_code<In, Out>() &&
          (f == 8 || f == 16 || f == 32 || f == 64);
 }
 
@@ -470,7 +470,7 @@ template <typename In, typename Out, typename Op>
 void pull_rows(const int32_t* indptr, const int32_t* cols, const typename In::Storage* data,
                const typename In::Storage* x, typename Out::Storage* y, int64_t f, int64_t lo,
                int64_t hi, float* acc, uint64_t n, bool& bad) {
-  constexpr bool vector_bodies = !std::is_same<In, F16>::value && std::is_same<In, Out>::value;
+  constexpr bool vector_bodies = vector_code<In, Out>();
   const bool own_code = f == 1 || whole_vector_rows<In, Out>(f) ||
                         (vector_bodies && cols && f > 64 && f % 8 == 0);  // pull_rows_blocks
   if (own_code) {
