@@ -12,16 +12,18 @@ whatever backend the registry (:mod:`jaxcsr.kernels`) names -- it never branches
 a backend's name.
 
 :func:`reduce_rows` is what every product means: the primitive for ``"sum"``,
-``"max"`` and ``"min"`` (the semiring), ``"mean"`` as the sum in the accumulation
-dtype divided by the row degrees, and ``return_arg``'s search for the attaining
-columns. Empty products (no stored entry, or no feature) are answered here, once,
-before any backend runs.
+``"max"`` and ``"min"`` (the semiring) and ``"mean"`` (the sum in the accumulation
+dtype divided by the row degrees: in the kernel where the backend divides itself,
+:attr:`Capabilities.mean <jaxcsr.kernels.Capabilities>`, else after it), and
+``return_arg``'s search for the attaining columns. Empty products (no stored entry, or
+no feature) are answered here, once, before any backend runs.
 
 Operands of the primitive: ``x`` (2-D, ``(n, F)``), then ``data`` when the matrix
 has values, then the leaves of the :class:`Index` (the portable
 :class:`~jaxcsr.structure.Structure` and the per-backend plans). Static params:
 ``index_tree`` (the Index's treedef: layout, view and which plans are present),
-``has_data``, ``reduce`` (``"sum"``, ``"max"`` or ``"min"``), ``accumulate`` (return
+``has_data``, ``reduce`` (``"sum"``, ``"mean"``, ``"max"`` or ``"min"``; a mean is
+row-major with one value per entry), ``accumulate`` (return
 the sum in the accumulation dtype -- float32 for 16-bit floats -- instead of rounding
 it to the product dtype; what the mean divides), ``feature_major`` (``x`` is ``(F, n)``
 and the result ``(F, m)``: the layout of ``values @ A.T``; sums only), ``impl`` and
@@ -29,7 +31,9 @@ and the result ``(F, m)``: the layout of ``values @ A.T``; sums only), ``impl`` 
 <jaxcsr.kernels.Capabilities>`) gets the transposes around its row-major product.
 
 The sum is bilinear in ``(X, data)``: its JVP binds the primitive on the tangents and
-its transpose is the product with the transposed view (and an SDDMM for ``data``).
+its transpose is the product with the transposed view (and an SDDMM for ``data``). So
+is the mean: its transpose divides ``ct`` by the row degrees first, in the accumulation
+dtype, and continues as the sum's.
 Max and min are piecewise linear: their JVP takes the tangents at the entry that
 attains each output, so the gradient reaches the arg positions only. For at most one
 nonzero per column (``from_indices``) it is ``dX`` taken at the attaining columns
@@ -162,6 +166,8 @@ def product(
         raise ValueError("values per head: row-major sums over H equal blocks of features")
     if feature_major and params["reduce"] != "sum":
         raise ValueError(f"feature_major products are sums, got reduce={params['reduce']!r}")
+    if params["reduce"] == "mean" and accumulate:
+        raise ValueError("a mean is returned in the product dtype, not accumulated")
     if data_transposed and (
         params["reduce"] != "sum" or data is None or index.structure.layout.kind != "general"
     ):
@@ -230,8 +236,10 @@ def reduce_rows(
     ``(F, m)``; ``data_transposed`` (sums) as in :func:`product`.
     """
     s = index.structure
+    # the primitive's mean: row-major, one value per entry; else the sum, divided here
+    divide_after = reduce == "mean" and (feature_major or (data is not None and data.ndim == 2))
     semiring = reduce
-    if reduce == "mean" or (reduce in EXTREMES and s.one_per_row):
+    if divide_after or (reduce in EXTREMES and s.one_per_row):
         semiring = "sum"
     if feature_major and return_arg:  # (product refuses a feature-major max/min)
         raise ValueError("feature_major products have no return_arg")
@@ -240,13 +248,13 @@ def reduce_rows(
         data,
         index,
         reduce=semiring,
-        accumulate=reduce == "mean",
+        accumulate=divide_after,
         feature_major=feature_major,
         data_transposed=data_transposed,
         impl=impl,
         interpret=interpret,
     )
-    if reduce == "mean":
+    if divide_after:
         dtype = product_dtype(x.dtype, None if data is None else data.dtype)
         out = _divide_by_degree(out, s, dtype, feature_major)
     if not return_arg:
@@ -300,12 +308,16 @@ def _divide_by_degree(
     total: jax.Array, structure: Structure, dtype, feature_major: bool = False
 ) -> jax.Array:
     """Row sums (accumulation dtype; ``(m, F)``, or ``(F, m)`` feature-major) -> row
-    means in ``dtype``; empty rows stay 0. Integers use floor division."""
+    means in ``dtype`` (``None``: the sums'): each sum times the float reciprocal of
+    its row's degree, rounded once; empty rows stay 0. Integers use floor division."""
     degree = jnp.maximum(structure.degrees(), 1).astype(total.dtype)
     degree = degree[None, :] if feature_major else degree[:, None]
+    dtype = total.dtype if dtype is None else dtype
     if jnp.issubdtype(total.dtype, jnp.integer):
         return jnp.floor_divide(total, degree).astype(dtype)
-    return (total / degree).astype(dtype)
+    # times the reciprocals, as XLA rewrites a division by a broadcast anyway (and as the
+    # kernels that divide their own means do): one rounding more than a division
+    return (total * (1 / degree)).astype(dtype)
 
 
 # ---------------------------------------------------------------- impl / eval
@@ -368,7 +380,9 @@ def _lowered_impl(
     if _is_empty(s, width):
         shape = (width, s.shape[0]) if feature_major else (s.shape[0], width)
         return jnp.zeros(shape, out_dtype)
-    backend = backend_for(impl, platform, index, x.dtype, data_dtype, reduce)
+    mean = reduce == "mean"
+    summed = "sum" if mean else reduce
+    backend = backend_for(impl, platform, index, x.dtype, data_dtype, summed)
     if backend.platform not in (None, platform) and not interpret:
         raise NotImplementedError(
             f"impl={backend.name!r} needs platform {backend.platform!r} (platform is "
@@ -382,11 +396,18 @@ def _lowered_impl(
     elif data_transposed:
         data = s.transpose().transpose_values(data)
 
-    def run(x, data):
+    def run(x, data, reduce=reduce, out_dtype=out_dtype):
         return backend.product(
             x, data, s, index.plans.get(backend.name), reduce=reduce, out_dtype=out_dtype,
             interpret=interpret, platform=platform, **options,
         )  # fmt: skip
+
+    if mean:  # row-major, one value per entry (product checked)
+        divides = backend.capabilities.mean
+        if divides is not None and divides(s, platform, x.dtype, data_dtype, out_dtype, width):
+            return run(x, data)
+        total = run(x, data, "sum", accumulation_dtype(out_dtype))
+        return _divide_by_degree(total, s, out_dtype)
 
     if data is not None and data.ndim == 2:  # values per head
         takes = backend.capabilities.heads
@@ -416,8 +437,11 @@ def _jvp(primals, tangents, *, index_tree, has_data, **params):
     x, data, index = _unpack(primals, index_tree, has_data)
     x_dot, data_dot, _ = _unpack(tangents, index_tree, has_data)
     out = product(x, data, index, **params)
-    if params["reduce"] != "sum":
+    if params["reduce"] in EXTREMES:
         return out, _extreme_tangent(x, data, index, out, x_dot, data_dot, params)
+    mean = params["reduce"] == "mean"
+    if mean:  # the tangent as the sum, accumulated, then divided: rounded once
+        params = {**params, "reduce": "sum", "accumulate": True}
     parts = []
     if type(x_dot) is not ad.Zero:
         parts.append(product(x_dot, data, index, **params))
@@ -426,6 +450,8 @@ def _jvp(primals, tangents, *, index_tree, has_data, **params):
     if not parts:
         return out, jnp.zeros_like(out)
     tangent = parts[0] if len(parts) == 1 else parts[0] + parts[1]
+    if mean:
+        return out, _divide_by_degree(tangent, index.structure, out.dtype)
     return out, tangent.astype(out.dtype)
 
 
@@ -533,7 +559,7 @@ ad.primitive_jvps[csr_matmul_p] = _jvp
 
 # ------------------------------------------------------------------ transpose
 def _transpose(ct, *operands, index_tree, has_data, **params):
-    if params["reduce"] != "sum":  # their JVPs bind only the sum on tangents
+    if params["reduce"] in EXTREMES:  # their JVPs bind only the sum on tangents
         raise ValueError(f"csr_matmul with reduce={params['reduce']!r} is not linear")
     x, data, index = _unpack(operands, index_tree, has_data)
     if any(ad.is_undefined_primal(a) for a in jax.tree_util.tree_leaves(index)):
@@ -544,6 +570,11 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
     if ad.is_undefined_primal(x) and data is not None and ad.is_undefined_primal(data):
         raise ValueError("csr_matmul is bilinear: transpose w.r.t. only one of X, data")
     s = index.structure
+    if params["reduce"] == "mean":
+        # the mean's rounding transposes into ct in the accumulation dtype, its division
+        # into ct divided by the degrees; the rest is the accumulated sum's transpose
+        ct = _divide_by_degree(ct.astype(accumulation_dtype(ct.dtype)), s, None)
+        params = {**params, "reduce": "sum", "accumulate": True}
     flipped = params["data_transposed"]
     if ad.is_undefined_primal(x):
         t_data, t_params = data, params

@@ -480,6 +480,23 @@ def test_allocator_study(tmp_path):
     assert "heap reuse" in (tmp_path / "allocator.md").read_text()
 
 
+def test_mean_in_kernel_study(tmp_path):
+    """The mean divided in the kernel equals the sum divided after it bit for bit (the
+    study asserts it) and jax.ops within rounding, float32 and bfloat16."""
+    from benchmarks.studies import mean_in_kernel
+
+    result = mean_in_kernel.main([
+        "--graphs", "cora", "--features", "3,16", "--dtypes", "float32,bfloat16",
+        "--repeats", "1", "--out", str(tmp_path),
+    ])  # fmt: skip
+    assert len(result["rows"]) == 4
+    for row in result["rows"]:
+        assert set(row["ms"]) == set(mean_in_kernel.SYSTEMS) and min(row["ms"].values()) > 0
+        assert row["difference_vs_jax_ops"] < (1e-6 if row["dtype"] == "float32" else 1e-2)
+        assert "native pull" in row["plan"], row["plan"]
+    assert "after / in" in (tmp_path / "mean_in_kernel.md").read_text()
+
+
 def test_gat_parts_study(tmp_path):
     """Every part of a GAT layer runs in both systems and agrees with jax.ops (3 heads of
     8 features: the SDDMM's partial group of heads)."""

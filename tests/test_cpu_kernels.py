@@ -7,6 +7,7 @@ instead of skipping them."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import json
@@ -34,7 +35,7 @@ from reference import (
 )
 
 import jaxcsr
-from jaxcsr import CSRMatrix
+from jaxcsr import CSRMatrix, ops
 from jaxcsr.dtypes import product_dtype
 from jaxcsr.kernels import cpu, xla
 
@@ -110,6 +111,84 @@ def test_every_kernel_matches_float64(rng, kind):
         x = jnp.ones((B.shape[1], 8), jnp.float32)
         text = jax.jit(lambda B, x: jaxcsr.matmul(B, x, impl="cpu")).lower(B, x).as_text()
         assert f"jaxcsr_cpu_{cpu.choose(B.structure, 8).kernel}" in text
+
+
+def _divided_sum(B, x, out_dtype):
+    """The mean as the primitive composes it where a kernel does not divide: the sum in
+    the accumulation dtype (the same kernel), then times the reciprocal degrees."""
+    s = B.index.structure
+    total = ops.product(
+        x, B.data, B.index, reduce="sum", accumulate=True, impl="cpu", interpret=False
+    )
+    return ops._divide_by_degree(total, s, out_dtype)
+
+
+def _check_means(B, widths, rng, pinned=None):
+    """The mean of ``B`` equals :func:`_divided_sum` (its sum on the same kernel) bit
+    for bit, in three dtypes; both jitted afresh, traced with the unsorted kernel
+    ``pinned``. Returns how many means the pull divided itself."""
+    fused_count = 0
+    for dtype in DTYPES:
+        for f in widths:
+            x = random_values(rng, (B.shape[1], f)).astype(dtype)
+            if B.dtype is not None:
+                B = B.with_data(B.data.astype(dtype))
+            with cpu.unsorted_kernel(pinned) if pinned else contextlib.nullcontext():
+                mean = jax.jit(lambda B, x: jaxcsr.matmul(B, x, reduce="mean", impl="cpu"))
+                text = mean.lower(B, x).as_text()
+                fused = cpu.divides_means(B.structure, "cpu", x.dtype, B.dtype, dtype, f)
+                y = mean(B, x)
+                divided = functools.partial(_divided_sum, out_dtype=np.dtype(dtype))
+                want = jax.jit(lambda B, x, divided=divided: divided(B, x))(B, x)
+            assert fused == ("mean = 1" in text), f
+            fused_count += fused
+            assert y.dtype == want.dtype == np.dtype(dtype)
+            np.testing.assert_array_equal(
+                np.asarray(y, np.float32), np.asarray(want, np.float32), err_msg=f"{f}"
+            )
+    return fused_count
+
+
+@pytest.mark.parametrize("kind", ["segment_sorted", "general", "empty_rows", "duplicates"])
+def test_means_divided_in_the_pull_equal_the_divided_sum(rng, kind):
+    """The pull's own mean (``mean=1``: sums of a block of rows in cache, times the
+    rows' reciprocal entry counts, rounded once) gives the bits of the float32 sum
+    followed by the primitive's division, for three dtypes and widths from one feature
+    (eight lanes) through the fixed-width loops, whole vectors and blocks past 64; on
+    both views of each matrix (a general matrix's transpose pulls its planned
+    transpose; a segment matrix's is a gather, with no sum to divide). Unsorted ids:
+    the push (which does not divide) and the pull through the sort (which does)."""
+    A, _ = _matrix(rng, kind)
+    widths = (1, 5, 12, 16, 44, 64, 72, 136)
+    assert _check_means(A, widths, rng) == len(widths) * len(DTYPES)
+    if kind == "segment_sorted":
+        assert _check_means(A.T, (1, 16, 72), rng) == 0  # a gather
+    else:
+        assert _check_means(A.T, widths, rng) == len(widths) * len(DTYPES)
+    if kind == "general":
+        unsorted, _ = _matrix(rng, "segment")
+        assert cpu.choose(unsorted.structure, 64).kernel == "push"
+        assert _check_means(unsorted, (64,), rng, pinned="push") == 0
+        assert _check_means(unsorted, (5, 64), rng, pinned="pull") == 2 * len(DTYPES)
+
+
+def test_the_mean_transposes_and_differentiates_as_the_divided_sum(rng):
+    """``jax.linear_transpose`` of a mean the kernel divides binds the primitive's mean
+    transpose: ``A.T @ (ct * 1 / degree)``, equal to the divided sum's transpose; its
+    JVP tangent is the divided sum of the tangent."""
+    A, _ = _matrix(rng, "empty_rows")
+    x = jnp.asarray(random_values(rng, (A.shape[1], 16)), jnp.float32)
+    ct = jnp.asarray(random_values(rng, (A.shape[0], 16)), jnp.float32)
+    mean = jax.jit(lambda x: jaxcsr.matmul(A, x, reduce="mean", impl="cpu"))
+    assert "mean = 1" in mean.lower(x).as_text()
+    (got,) = jax.linear_transpose(mean, x)(ct)
+    (want,) = jax.linear_transpose(lambda x: _divided_sum(A, x, np.float32), x)(ct)
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    degree = np.maximum(np.diff(np.asarray(A.indptr)), 1)[:, None]
+    assert_close(got, dense_of(A).T @ (np.asarray(ct, np.float64) / degree), np.float32)
+    dx = jnp.asarray(random_values(rng, x.shape), jnp.float32)
+    _, tangent = jax.jvp(mean, (x,), (dx,))
+    np.testing.assert_array_equal(np.asarray(tangent), np.asarray(_divided_sum(A, dx, np.float32)))
 
 
 @pytest.mark.parametrize("dtype, f", [(np.float32, 3), (jnp.bfloat16, 16), (jnp.bfloat16, 64)])
@@ -225,18 +304,24 @@ def test_planned_transpose_reads_the_values_through_the_permutation(rng):
 
 def test_pull_refuses_bad_value_positions():
     """The pull kernel's own guard: positions outside the values, or not one per entry,
-    are an error, never a read out of bounds."""
+    are an error, never a read out of bounds; so is a mean that is not a row-major sum
+    with one value per entry."""
     call = jax.ffi.ffi_call("jaxcsr_cpu_pull", jax.ShapeDtypeStruct((3, 2), jnp.float32))
     indptr, cols = jnp.asarray([0, 1, 2, 3], jnp.int32), jnp.asarray([0, 1, 2], jnp.int32)
     x, data = jnp.ones((3, 2), jnp.float32), jnp.ones((3,), jnp.float32)
     attrs = {"max_threads": np.int64(0), "reduce": np.int64(0), "feature_major": np.int64(0)}
+    attrs["mean"] = np.int64(0)
     one, two = {**attrs, "heads": np.int64(1)}, {**attrs, "heads": np.int64(2)}
+    mean = {**one, "mean": np.int64(1)}
     ok = call(indptr, cols, data, jnp.asarray([2, 0, 1], jnp.int32), x, **one)
     np.testing.assert_array_equal(np.asarray(ok), np.ones((3, 2)))
     # two values per entry, read through the positions: row r gets entry perm[r]'s pair
     pairs = jnp.asarray([[1.0, 2.0], [3.0, 4.0], [5.0, 6.0]])
     ok = call(indptr, cols, pairs, jnp.asarray([2, 0, 1], jnp.int32), x, **two)
     np.testing.assert_array_equal(np.asarray(ok), [[5.0, 6.0], [1.0, 2.0], [3.0, 4.0]])
+    # a mean through the positions: one entry a row, so each row is its value times x
+    ok = call(indptr, cols, data * 3, jnp.asarray([2, 0, 1], jnp.int32), x, **mean)
+    np.testing.assert_array_equal(np.asarray(ok), np.full((3, 2), 3.0))
     bad = [
         (data, [0, 3, 1], one), (data, [0, -1, 1], one), (data, [0, 1], one),
         (jnp.zeros((0,)), [0, 1, 2], one), (pairs, [0, 3, 1], two),
@@ -244,6 +329,10 @@ def test_pull_refuses_bad_value_positions():
         (pairs, [0, 1, 2], {**attrs, "heads": np.int64(0)}),
         (jnp.ones((3, 3)), [0, 1, 2], {**attrs, "heads": np.int64(3)}),  # 2 features
         (pairs, [0, 1, 2], {**two, "feature_major": np.int64(1)}),
+        # a mean is a row-major sum with one value per entry
+        (data, [0, 1, 2], {**mean, "reduce": np.int64(1)}),
+        (pairs, [0, 1, 2], {**two, "mean": np.int64(1)}),
+        (data, [0, 1, 2], {**mean, "feature_major": np.int64(1)}),
     ]  # fmt: skip
     for values, perm, given in bad:
         with pytest.raises(Exception, match="jaxcsr cpu"):

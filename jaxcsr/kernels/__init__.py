@@ -182,6 +182,13 @@ class Capabilities:
         for head ``h`` weighs the ``h``-th of ``H`` equal blocks of ``x``'s features (what
         ``vmap`` over per-head values and features binds, attention heads). Where it
         says no (``None``: never), the primitive runs one product per head.
+      mean: ``(view, platform, x_dtype, data_dtype, out_dtype, n_features) -> bool``,
+        whether ``product`` takes ``reduce="mean"`` for that product (row-major, one
+        value per entry): each row's sum, accumulated as the sum's, times the float32
+        reciprocal of the row's entry count (1 for an empty row), rounded once into
+        ``out_dtype``: the bits of the sum in the accumulation dtype followed by the
+        primitive's own division (:func:`jaxcsr.ops.reduce_rows`).
+        Where it says no (``None``: never), the primitive divides the sum after it.
     """
 
     sddmm: SddmmFn | None = None
@@ -191,6 +198,7 @@ class Capabilities:
     transposed_data: Callable[..., bool] | None = None
     plans_traced: bool = False
     heads: Callable[..., bool] | None = None
+    mean: Callable[..., bool] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -377,6 +385,7 @@ register(
             transposed_data=cpu.reads_transposed_data,
             plans_traced=True,
             heads=cpu.takes_heads,
+            mean=cpu.divides_means,
         ),
         Requirement(
             cpu.available,

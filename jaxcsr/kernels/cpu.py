@@ -5,8 +5,9 @@
 ``jax.ffi.register_ffi_target`` for the ``cpu`` platform. The products split their
 work over XLA's intra-op thread pool, read 16-bit operands as they are and accumulate
 in float32; each takes ``reduce="sum"``, ``"max"`` or ``"min"`` (empty rows 0, NaN
-propagates). Every row is reduced in one order fixed by the sizes, never by the
-thread count: results are bit-identical for any number of threads.
+propagates), and the pull ``"mean"`` too (:func:`divides_means`). Every row is reduced
+in one order fixed by the sizes, never by the thread count: results are bit-identical
+for any number of threads.
 
 ``pull``
     ``y[r] = sum_j data[j] * x[cols[j]]`` over row ``r``'s entries in CSR order:
@@ -103,6 +104,7 @@ __all__ = [
     "sddmm",
     "softmax",
     "takes_heads",
+    "divides_means",
     "threads",
     "unsorted_kernel",
     "traced_scatters",
@@ -571,6 +573,20 @@ def takes_heads(view: Structure, platform, x_dtype, data_dtype, out_dtype) -> bo
     return platform == "cpu" and entries_by_row and runs(view, x_dtype, data_dtype, out_dtype)
 
 
+def divides_means(view: Structure, platform, x_dtype, data_dtype, out_dtype, n_features) -> bool:
+    """Backend entry (``Capabilities.mean``): the products the native pull runs
+    (:func:`choose`) take ``reduce="mean"``: each block of rows summed in float32 in
+    cache, then multiplied by the reciprocals of the rows' entry counts and rounded into
+    the output, which saves the float32 ``(m, F)`` sums and XLA's pass over them (the
+    same bits as that pass)."""
+    dtype = product_dtype(x_dtype, data_dtype)
+    return (
+        platform == "cpu"
+        and runs(view, x_dtype, data_dtype, out_dtype)
+        and choose(view, n_features, dtype.itemsize).kernel == "pull"
+    )
+
+
 def product(
     x, data, view: Structure, cpu_plan, *, reduce, out_dtype, interpret, platform,
     feature_major=False, data_transposed=False,
@@ -579,7 +595,7 @@ def product(
     ``feature_major``, ``x`` is ``(F, n)`` and the result ``(F, m)``: every kernel
     reads and writes that layout as it is. ``data_transposed`` comes only where
     :func:`reads_transposed_data` said yes, values ``(nnz, H)`` only where
-    :func:`takes_heads` did."""
+    :func:`takes_heads` did, ``reduce="mean"`` only where :func:`divides_means` did."""
     del cpu_plan, interpret
     data_dtype = None if data is None else data.dtype
     if platform != "cpu" or not runs(view, x.dtype, data_dtype, out_dtype):
@@ -594,6 +610,10 @@ def product(
     result = jax.ShapeDtypeStruct((x.shape[0], m) if feature_major else (m, x.shape[1]), out_dtype)
     none = jnp.zeros((0,), dtype)
     attrs = {"max_threads": np.int64(_MAX_THREADS), "feature_major": np.int64(feature_major)}
+    mean = reduce == "mean"
+    if mean:
+        assert divides_means(view, platform, x.dtype, data_dtype, out_dtype, x.shape[1])
+        reduce = "sum"
     reduction = np.int64(_REDUCE[reduce])
     if data is not None and data.ndim == 2:  # heads: the pull in CSR order only
         assert not feature_major and takes_heads(view, platform, x.dtype, data.dtype, out_dtype)
@@ -628,7 +648,8 @@ def product(
     perm = view.t_perm.astype(jnp.int32) if data_transposed else jnp.zeros((0,), jnp.int32)
     call = jax.ffi.ffi_call("jaxcsr_cpu_pull", result)
     indices = (indptr.astype(jnp.int32), cols.astype(jnp.int32))
-    return call(*indices, values, perm, x, reduce=reduction, heads=np.int64(heads), **attrs)
+    heads, mean = np.int64(heads), np.int64(mean)
+    return call(*indices, values, perm, x, reduce=reduction, heads=heads, mean=mean, **attrs)
 
 
 def sddmm(ct, x, view: Structure, *, out_dtype):

@@ -480,6 +480,51 @@ void pull_rows(const int32_t* indptr, const int32_t* cols, const typename In::St
   }
 }
 
+// Row means are summed in blocks of at most this many float32 values (16 KiB, in L1).
+constexpr int64_t kMeanBlockValues = 4096;
+
+// Rows [r0, r1) of a mean from their float32 sums (``sums``, rows f apart from r0's):
+// each times the float32 reciprocal of its row's entry count (1 for an empty row),
+// rounded once into y, eight at a time (store8: bfloat16 rounded as f32_to_bf16).
+template <typename Out>
+struct MeanRows {
+  JAXCSR_INLINE static void run(const int32_t* indptr, const float* sums,
+                                typename Out::Storage* y, int64_t f, int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const float count = static_cast<float>(std::max<int64_t>(indptr[r + 1] - indptr[r], 1));
+      const f32x8 scale = splat(1.0f / count);
+      const float* sum = sums + (r - r0) * f;
+      typename Out::Storage* to = y + r * f;
+      int64_t c = 0;
+      for (; c + 8 <= f; c += 8) {
+        f32x8 v;
+        std::memcpy(&v, sum + c, sizeof v);
+        store8<Out>(to + c, v * scale, 8);
+      }
+      for (; c < f; ++c) to[c] = Out::store(sum[c] * scale[0]);
+    }
+  }
+};
+
+// Rows [lo, hi) of the mean: each block of rows is summed in float32 into ``sums`` (the
+// sum's own loops, on the block's slice of the row pointer), then MeanRows: the
+// operations of a float32 sum followed by the primitive's division by the counts
+// (times their reciprocals, as XLA computes a division by a broadcast), so the same
+// bits, without the float32 (m, f) intermediate and the second pass over it.
+template <typename In, typename Out>
+void pull_means(const int32_t* indptr, const int32_t* cols, const typename In::Storage* data,
+                const typename In::Storage* x, typename Out::Storage* y, int64_t f, int64_t lo,
+                int64_t hi, float* acc, uint64_t n, bool& bad) {
+  const int64_t block = std::max<int64_t>(1, kMeanBlockValues / f);
+  std::vector<float> sums(std::min(block, hi - lo) * f);
+  for (int64_t r0 = lo; r0 < hi; r0 += block) {
+    const int64_t r1 = std::min(hi, r0 + block);
+    pull_rows<In, F32, Sum>(indptr + r0, cols, data, x, sums.data(), f, 0, r1 - r0, acc, n,
+                            bad);
+    run_best<MeanRows<Out>>(indptr, static_cast<const float*>(sums.data()), y, f, r0, r1);
+  }
+}
+
 // values[j] = data[perm[j]] for entries [j0, j1) (the values of a planned transpose,
 // read in its CSR order), ``heads`` values per entry; a position outside [0, nnz) sets
 // ``bad`` and reads 0.
@@ -514,11 +559,13 @@ void permute_values(const S* data, const int32_t* perm, S* values, int64_t j0, i
 // data[perm[j]]: each chunk of rows puts its values in CSR order first, while they
 // stay in cache for its rows (no separate pass over all of them). With ``heads`` > 1,
 // each entry has that many values, one per block of f / heads features (PullHeads).
+// With ``mean`` (a sum, one value per entry), each row's sum is divided by its entry
+// count (pull_means).
 template <typename In, typename Out, typename Op>
 bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const int32_t* cols, const typename In::Storage* data, const int32_t* perm,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
-              int64_t f, int64_t n, int64_t heads = 1) {
+              int64_t f, int64_t n, int64_t heads = 1, bool mean = false) {
   using S = typename In::Storage;
   const int64_t nnz = indptr[rows];
   std::unique_ptr<S[]> permuted(perm && data ? new S[std::max<int64_t>(nnz * heads, 1)]
@@ -532,6 +579,13 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                              values = permuted.get();
                            }
                            std::vector<float> acc(f);
+                           if constexpr (std::is_same<Op, Sum>::value) {
+                             if (mean) {
+                               pull_means<In, Out>(indptr, cols, values, x, y, f, lo, hi,
+                                                   acc.data(), static_cast<uint64_t>(n), bad);
+                               return;
+                             }
+                           }
                            if (heads > 1) {
                              run_best<PullHeads<In, Out, Op>>(
                                  indptr, cols, values, x, y, f, heads, lo, hi, acc.data(),
@@ -678,7 +732,7 @@ struct PullKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                         const int32_t* cols, const void* data, const int32_t* perm,
                         const void* x, void* y, int64_t rows, int64_t f, int64_t n,
-                        bool feature_major, int64_t heads) {
+                        bool feature_major, int64_t heads, bool mean) {
     using S = typename In::Storage;
     const S* values = static_cast<const S*>(data);
     const auto* xs = static_cast<const S*>(x);
@@ -686,7 +740,7 @@ struct PullKernel {
     bool ok = true;
     if (!feature_major) {
       ok = csr_pull<In, Out, Op>(pool, max_threads, indptr, cols, values, perm, xs, ys, rows, f,
-                                 n, heads);
+                                 n, heads, mean);
     } else {  // one pull per feature: the values put in order once, in parallel
       const int64_t nnz = indptr[rows];
       std::unique_ptr<S[]> permuted(perm && values ? new S[std::max<int64_t>(nnz, 1)] : nullptr);
@@ -730,7 +784,7 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                        ffi::Buffer<ffi::S32> cols, ffi::AnyBuffer data,
                        ffi::Buffer<ffi::S32> perm, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce,
-                       int64_t feature_major, int64_t heads) {
+                       int64_t feature_major, int64_t heads, int64_t mean) {
   const int64_t rows = static_cast<int64_t>(indptr.element_count()) - 1;
   if (rows < 0) return ffi::Error::InvalidArgument("jaxcsr cpu: empty indptr");
   const bool fm = feature_major != 0;
@@ -742,6 +796,8 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
     return ffi::Error::InvalidArgument("jaxcsr cpu: invalid row pointer");
   if (heads < 1 || (heads > 1 && (fm || !has_data || f % heads != 0)))
     return ffi::Error::InvalidArgument("jaxcsr cpu: heads need values and row-major x");
+  if (mean != 0 && (reduce != 0 || fm || heads != 1))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: a mean is a row-major sum, one value per entry");
   if ((has_cols && static_cast<int64_t>(cols.element_count()) != nnz) ||
       (has_data && static_cast<int64_t>(data.element_count()) != nnz * heads) ||
       (has_data && data.element_type() != x.element_type()))
@@ -754,7 +810,7 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                               indptr.typed_data(), has_cols ? cols.typed_data() : nullptr,
                               has_data ? data.untyped_data() : nullptr,
                               has_perm ? perm.typed_data() : nullptr, x.untyped_data(),
-                              y->untyped_data(), rows, f, n, fm, heads);
+                              y->untyped_data(), rows, f, n, fm, heads, mean != 0);
 }
 
 ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
@@ -807,7 +863,9 @@ auto push_binding() {
 
 // The pull: (indptr, columns or empty, values or empty, value positions or empty, x) -> y;
 // with positions, entry j's value is values[positions[j]] (a planned transpose's); with
-// heads > 1, each entry has that many values (row-major, one per block of features).
+// heads > 1, each entry has that many values (row-major, one per block of features);
+// with mean = 1 (a row-major sum, one value per entry), each row's sum is divided by its
+// entry count.
 auto pull_binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -820,7 +878,8 @@ auto pull_binding() {
       .Attr<int64_t>("max_threads")
       .Attr<int64_t>("reduce")
       .Attr<int64_t>("feature_major")
-      .Attr<int64_t>("heads");
+      .Attr<int64_t>("heads")
+      .Attr<int64_t>("mean");
 }
 
 }  // namespace
