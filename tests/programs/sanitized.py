@@ -24,6 +24,8 @@ def main() -> None:
         return (
             jaxcsr.matmul(A, v, reduce=reduce),
             jaxcsr.matmul(Gd, x, reduce=reduce),
+            # the pull's own mean: float32 sums of 16-bit values, then rounded (MeanRows)
+            jaxcsr.matmul(Gd, x, reduce="mean"),
             Gd.T @ y,
             # the planned transpose's values through t_perm (both layouts)
             jax.grad(lambda x: jnp.sum(Gd @ x))(x),
