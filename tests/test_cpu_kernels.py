@@ -157,7 +157,8 @@ def test_means_divided_in_the_pull_equal_the_divided_sum(rng, kind):
     (eight lanes) through the fixed-width loops, whole vectors and blocks past 64; on
     both views of each matrix (a general matrix's transpose pulls its planned
     transpose; a segment matrix's is a gather, with no sum to divide). Unsorted ids:
-    the push (which does not divide) and the pull through the sort (which does)."""
+    the push (in the pieces the sizes fix: its float32 partials, or the float32 output
+    itself, scaled as stored) and the pull through the sort."""
     A, _ = _matrix(rng, kind)
     widths = (1, 5, 12, 16, 44, 64, 72, 136)
     assert _check_means(A, widths, rng) == len(widths) * len(DTYPES)
@@ -168,7 +169,10 @@ def test_means_divided_in_the_pull_equal_the_divided_sum(rng, kind):
     if kind == "general":
         unsorted, _ = _matrix(rng, "segment")
         assert cpu.choose(unsorted.structure, 64).kernel == "push"
-        assert _check_means(unsorted, (64,), rng, pinned="push") == 0
+        sparse, _ = _matrix(rng, "segment", k=100)  # under 4 ids a row: one piece
+        assert [cpu.choose(B.structure, 64).pieces for B in (unsorted, sparse)] == [2, 1]
+        for B in (unsorted, sparse):
+            assert _check_means(B, (1, 5, 64, 136), rng, pinned="push") == 4 * len(DTYPES)
         assert _check_means(unsorted, (5, 64), rng, pinned="pull") == 2 * len(DTYPES)
 
 
@@ -338,6 +342,27 @@ def test_pull_refuses_bad_value_positions():
         with pytest.raises(Exception, match="jaxcsr cpu"):
             perm = jnp.asarray(perm, jnp.int32)
             jax.block_until_ready(call(indptr, cols, values, perm, x, **given))
+
+
+def test_push_means_need_the_row_pointer():
+    """The push's guard for a mean: it reads the rows' entry counts, so a mean without
+    the row pointer, of a max, or feature-major is an error; with it, each row is its
+    sum times the reciprocal count (row 1 empty: 0)."""
+    call = jax.ffi.ffi_call("jaxcsr_cpu_push", jax.ShapeDtypeStruct((3, 2), jnp.float32))
+    indptr, ids = jnp.asarray([0, 2, 2, 3], jnp.int32), jnp.asarray([2, 0, 0], jnp.int32)
+    x, none = jnp.asarray([[1.0, 2.0], [3.0, 4.0], [5.0, 7.0]]), jnp.zeros((0,), jnp.float32)
+    attrs = {"max_threads": np.int64(0), "reduce": np.int64(0), "feature_major": np.int64(0)}
+    mean = {**attrs, "mean": np.int64(1)}
+    ok = call(indptr, ids, none, x, **mean)
+    np.testing.assert_array_equal(np.asarray(ok), [[4.0, 5.5], [0.0, 0.0], [1.0, 2.0]])
+    bad = [
+        (jnp.zeros((0,), jnp.int32), mean),
+        (indptr, {**mean, "reduce": np.int64(1)}),
+        (indptr, {**mean, "feature_major": np.int64(1)}),
+    ]
+    for pointer, given in bad:
+        with pytest.raises(Exception, match="jaxcsr cpu"):
+            jax.block_until_ready(call(pointer, ids, none, x, **given))
 
 
 @pytest.mark.parametrize("kind", ["hub", "segment", "segment_sorted", "general"])

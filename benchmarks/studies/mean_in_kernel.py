@@ -1,11 +1,14 @@
 """Means divided inside the CPU pull: ``python -m benchmarks.studies.mean_in_kernel``.
 
 ``matmul(A, messages, reduce="mean")`` with ``A = CSRMatrix.from_indices(dst, V)`` (a
-real graph's destinations, ``messages (E, N)``), forward, systems timed in turns:
+real graph's destinations as stored, sorted, where the pull runs; or in a random order
+(``--orders shuffled``), where the push, the pull through the sort or XLA's scatter
+runs, as :func:`jaxcsr.kernels.cpu.choose` says), ``messages (E, N)``, forward,
+systems timed in turns:
 
-``in kernel``      the mean as jaxcsr runs it: where the native pull runs the sum, the
-                   kernel divides each block of rows while it is in cache and writes
-                   the output in its dtype once
+``in kernel``      the mean as jaxcsr runs it: where the native pull or push runs the
+                   sum, the kernel divides each row's float32 sum as it stores it and
+                   writes the output in its dtype once
 ``divided after``  the same kernel's sum in the accumulation dtype (float32), then the
                    division as a separate XLA pass: what the mean ran before
                    (``jaxcsr.ops.product(..., accumulate=True)`` times the reciprocal
@@ -59,10 +62,15 @@ def _systems(A: CSRMatrix, ids, dtype) -> dict:
     }
 
 
-def rows_for(name: str, features: list[int], dtypes: list[str], repeats: int, rng) -> list[dict]:
+def rows_for(
+    name: str, order: str, features: list[int], dtypes: list[str], repeats: int, rng
+) -> list[dict]:
     g = load_graph(name)
-    A = CSRMatrix.from_indices(g.dst, num_rows=g.num_nodes)
-    ids = jnp.asarray(g.dst, jnp.int32)
+    dst = np.asarray(g.dst)
+    if order == "shuffled":
+        dst = dst[np.random.default_rng(1).permutation(dst.shape[0])]
+    A = CSRMatrix.from_indices(dst, num_rows=g.num_nodes)
+    ids = jnp.asarray(dst, jnp.int32)
     rows = []
     for dtype in dtypes:
         systems = _systems(A, ids, jnp.dtype(dtype))
@@ -76,7 +84,7 @@ def rows_for(name: str, features: list[int], dtypes: list[str], repeats: int, rn
             )
             assert same, f"{name} N={n} {dtype}: the two means differ"
             rows.append({
-                "graph": name, "edges": g.num_edges, "rows": g.num_nodes, "n": n,
+                "graph": name, "order": order, "edges": g.num_edges, "rows": g.num_nodes, "n": n,
                 "dtype": dtype, "plan": A.plan_info(n).strategies.get("forward, cpu", ""),
                 "ms": {k: t.median_s * 1e3 for k, t in timings.items()},
                 "p10_ms": {k: t.p10_s * 1e3 for k, t in timings.items()},
@@ -98,13 +106,15 @@ def markdown(result: dict) -> str:
         "`after / in`: `divided after`'s time over `in kernel`'s (the same bits, checked); "
         "`vs jax.ops`: jax.ops' time over `in kernel`'s.",
         "",
-        "| graph | N | dtype | " + " | ".join(SYSTEMS) + " | after / in | vs jax.ops |",
-        "|---|---|---|" + "---|" * (len(SYSTEMS) + 2),
+        "| graph | ids | N | dtype | kernel | " + " | ".join(SYSTEMS) + " | after / in "
+        "| vs jax.ops |",
+        "|---|---|---|---|---|" + "---|" * (len(SYSTEMS) + 2),
     ]
     for r in result["rows"]:
         ms = r["ms"]
         lines.append(
-            f"| {r['graph']} ({r['edges']:,} ids) | {r['n']} | {r['dtype']} | "
+            f"| {r['graph']} ({r['edges']:,} ids) | {r['order']} | {r['n']} | {r['dtype']} "
+            f"| {r['plan'].split(' (')[0]} | "
             + " | ".join(f"{ms[k]:.2f}" for k in SYSTEMS)
             + f" | {ms['divided after'] / ms['in kernel']:.2f}x"
             + f" | {ms['jax.ops'] / ms['in kernel']:.2f}x |"
@@ -121,6 +131,7 @@ def main(argv=None) -> dict:
     p.add_argument("--graphs", default="tolokers,musae_github", help="comma-separated")
     p.add_argument("--features", default="16,64,256", help="N, comma-separated")
     p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--orders", default="sorted,shuffled", help="ids as stored or shuffled")
     p.add_argument("--repeats", type=int, default=41, help="timed rounds (median)")
     p.add_argument("--out", type=Path, default=Path("benchmarks/results/latest"))
     args = p.parse_args(argv)
@@ -128,7 +139,8 @@ def main(argv=None) -> dict:
     features = [int(f) for f in args.features.split(",")]
     rows = []
     for name in args.graphs.split(","):
-        rows += rows_for(name, features, args.dtypes.split(","), args.repeats, rng)
+        for order in args.orders.split(","):
+            rows += rows_for(name, order, features, args.dtypes.split(","), args.repeats, rng)
     result = {**report.provenance("benchmarks.studies.mean_in_kernel", argv), "rows": rows}
     print(f"wrote {report.write_study(args.out, 'mean_in_kernel', result, markdown(result))}")
     return result

@@ -5,7 +5,7 @@
 ``jax.ffi.register_ffi_target`` for the ``cpu`` platform. The products split their
 work over XLA's intra-op thread pool, read 16-bit operands as they are and accumulate
 in float32; each takes ``reduce="sum"``, ``"max"`` or ``"min"`` (empty rows 0, NaN
-propagates), and the pull ``"mean"`` too (:func:`divides_means`). Every row is reduced
+propagates), and the pull and the push ``"mean"`` too (:func:`divides_means`). Every row is reduced
 in one order fixed by the sizes, never by the thread count: results are bit-identical
 for any number of threads.
 
@@ -574,16 +574,17 @@ def takes_heads(view: Structure, platform, x_dtype, data_dtype, out_dtype) -> bo
 
 
 def divides_means(view: Structure, platform, x_dtype, data_dtype, out_dtype, n_features) -> bool:
-    """Backend entry (``Capabilities.mean``): the products the native pull runs
-    (:func:`choose`) take ``reduce="mean"``: each block of rows summed in float32 in
-    cache, then multiplied by the reciprocals of the rows' entry counts and rounded into
-    the output, which saves the float32 ``(m, F)`` sums and XLA's pass over them (the
-    same bits as that pass)."""
+    """Backend entry (``Capabilities.mean``): the products the native pull or push runs
+    (:func:`choose`) take ``reduce="mean"``: the pull sums each block of rows in float32
+    in cache, the push its float32 partials (or the output itself), and each row is
+    multiplied by the reciprocal of its entry count as it is rounded into the output,
+    which saves the float32 ``(m, F)`` sums and XLA's pass over them (the same bits as
+    that pass). XLA's scatter and the row gather do not divide."""
     dtype = product_dtype(x_dtype, data_dtype)
     return (
         platform == "cpu"
         and runs(view, x_dtype, data_dtype, out_dtype)
-        and choose(view, n_features, dtype.itemsize).kernel == "pull"
+        and choose(view, n_features, dtype.itemsize).kernel in ("pull", "push")
     )
 
 
@@ -634,9 +635,11 @@ def product(
         values = none if data is None else view.column_values(data).astype(dtype)
         call = jax.ffi.ffi_call("jaxcsr_cpu_push", result)
         # a sum reads no row pointer (its empty rows keep the fill, 0): none is passed,
-        # so traced ids pay for none (XLA drops the unread counts and their scan)
-        indptr = view.indptr if reduce != "sum" else jnp.zeros((0,), jnp.int32)
-        return call(indptr, view.row_of_col, values, x, reduce=reduction, **attrs)
+        # so traced ids pay for none (XLA drops the unread counts and their scan); a
+        # mean reads its rows' entry counts there
+        indptr = view.indptr if reduce != "sum" or mean else jnp.zeros((0,), jnp.int32)
+        ids, flag = view.row_of_col, np.int64(mean)
+        return call(indptr, ids, values, x, reduce=reduction, mean=flag, **attrs)
     values = none if data is None else data.astype(dtype).reshape(-1)
     heads = 1 if data is None or data.ndim == 1 else data.shape[1]
     indptr = view.view_indptr()

@@ -609,12 +609,13 @@ bool csr_pull(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
 // in input order, so each value is reduced in the same order as on one thread. Every
 // row is reduced in one order that depends on the sizes only: bit-identical for any
 // number of threads; and no thread ever skips entries, so unsorted ids cost no branch
-// mispredictions.
+// mispredictions. With ``mean`` (a sum; ``indptr`` given), each row's float32 sum is
+// multiplied by the reciprocal of its entry count as it is stored (MeanRows).
 template <typename In, typename Out, typename Op>
 void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
               const int32_t* ids, const typename In::Storage* data,
               const typename In::Storage* x, typename Out::Storage* y, int64_t rows,
-              int64_t entries, int64_t f) {
+              int64_t entries, int64_t f, bool mean = false) {
   const int64_t threads = entries * f < kSerialWork ? 1 : thread_count(pool, max_threads);
   const int64_t pieces =
       push_piece_count(rows, entries, f, f * int64_t{sizeof(typename In::Storage)},
@@ -643,13 +644,20 @@ void row_push(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
       push_rows<In, Out, Op>(ids, data, x + c0, first + c0, rows, f, c1 - c0, 0, entries);
     });
   }
-  if (f32_sum && pieces == 1) return;
+  if (f32_sum && pieces == 1 && !mean) return;
   const int64_t chunks = chunk_count(rows * f * pieces, thread_count(pool, max_threads), 4);
   parallel_chunks(pool, chunks, threads, [&](int64_t c) {
     const int64_t lo = rows * c / chunks, hi = rows * (c + 1) / chunks;
     for (int64_t p = 1; p < pieces; ++p) {
       const float* later = part(p);
       for (int64_t i = lo * f; i < hi * f; ++i) first[i] = Op::combine(first[i], later[i]);
+    }
+    if constexpr (std::is_same<Op, Sum>::value) {
+      if (mean) {  // the sums (in the output itself for float32) stored as means
+        run_best<MeanRows<Out>>(indptr, static_cast<const float*>(first + lo * f), y, f, lo,
+                                hi);
+        return;
+      }
     }
     if (f32_sum) return;  // the sums are in the output
     for (int64_t r = lo; r < hi; ++r)
@@ -771,11 +779,18 @@ template <typename In, typename Out, typename Op>
 struct PushKernel {
   static ffi::Error run(ffi::ThreadPool& pool, int64_t max_threads, const int32_t* indptr,
                         const int32_t* ids, const void* data, const void* x, void* y,
-                        int64_t rows, int64_t entries, int64_t f, bool feature_major) {
-    const auto push = feature_major ? push_feature_major<In, Out, Op> : row_push<In, Out, Op>;
-    push(pool, max_threads, indptr, ids, static_cast<const typename In::Storage*>(data),
-         static_cast<const typename In::Storage*>(x), static_cast<typename Out::Storage*>(y),
-         rows, entries, f);
+                        int64_t rows, int64_t entries, int64_t f, bool feature_major,
+                        bool mean) {
+    const auto* values = static_cast<const typename In::Storage*>(data);
+    const auto* xs = static_cast<const typename In::Storage*>(x);
+    auto* ys = static_cast<typename Out::Storage*>(y);
+    if (feature_major) {
+      push_feature_major<In, Out, Op>(pool, max_threads, indptr, ids, values, xs, ys, rows,
+                                      entries, f);
+    } else {
+      row_push<In, Out, Op>(pool, max_threads, indptr, ids, values, xs, ys, rows, entries, f,
+                            mean);
+    }
     return ffi::Error::Success();
   }
 };
@@ -816,13 +831,15 @@ ffi::Error CsrPullImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
 ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
                        ffi::Buffer<ffi::S32> ids, ffi::AnyBuffer data, ffi::AnyBuffer x,
                        ffi::Result<ffi::AnyBuffer> y, int64_t max_threads, int64_t reduce,
-                       int64_t feature_major) {
+                       int64_t feature_major, int64_t mean) {
   // A sum needs no row pointer (an empty row's sum is the fill, 0): given empty, the
   // rows are y's
   const bool has_indptr = indptr.element_count() > 0;
-  if (!has_indptr && reduce != 0)
-    return ffi::Error::InvalidArgument("jaxcsr cpu: a max/min push needs the row pointer");
+  if (!has_indptr && (reduce != 0 || mean != 0))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: a max/min or mean push needs the row pointer");
   const bool fm = feature_major != 0;
+  if (mean != 0 && (reduce != 0 || fm))
+    return ffi::Error::InvalidArgument("jaxcsr cpu: a mean is a row-major sum");
   if (y->dimensions().size() != 2)
     return ffi::Error::InvalidArgument("jaxcsr cpu: operand/output shapes do not match");
   const int64_t rows = has_indptr ? static_cast<int64_t>(indptr.element_count()) - 1
@@ -844,10 +861,12 @@ ffi::Error RowPushImpl(ffi::ThreadPool pool, ffi::Buffer<ffi::S32> indptr,
   return dispatch<PushKernel>(x.element_type(), y->element_type(), reduce, pool, max_threads,
                               has_indptr ? indptr.typed_data() : nullptr, ids.typed_data(),
                               has_data ? data.untyped_data() : nullptr, x.untyped_data(),
-                              y->untyped_data(), rows, entries, f, fm);
+                              y->untyped_data(), rows, entries, f, fm, mean != 0);
 }
 
-// The push: (indptr or empty for a sum, ids, values or empty, x) -> y, with attributes.
+// The push: (indptr or empty for a sum, ids, values or empty, x) -> y, with attributes;
+// with mean = 1 (a row-major sum; indptr given), each row's sum times the reciprocal of
+// its entry count.
 auto push_binding() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::ThreadPool>()
@@ -858,7 +877,8 @@ auto push_binding() {
       .Ret<ffi::AnyBuffer>()
       .Attr<int64_t>("max_threads")
       .Attr<int64_t>("reduce")
-      .Attr<int64_t>("feature_major");
+      .Attr<int64_t>("feature_major")
+      .Attr<int64_t>("mean");
 }
 
 // The pull: (indptr, columns or empty, values or empty, value positions or empty, x) -> y;
