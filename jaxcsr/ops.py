@@ -308,11 +308,10 @@ def _divide_by_degree(
     total: jax.Array, structure: Structure, dtype, feature_major: bool = False
 ) -> jax.Array:
     """Row sums (accumulation dtype; ``(m, F)``, or ``(F, m)`` feature-major) -> row
-    means in ``dtype`` (``None``: the sums'): each sum times the float reciprocal of
-    its row's degree, rounded once; empty rows stay 0. Integers use floor division."""
+    means in ``dtype``: each sum times the float reciprocal of its row's degree, rounded
+    once; empty rows stay 0. Integers use floor division."""
     degree = jnp.maximum(structure.degrees(), 1).astype(total.dtype)
     degree = degree[None, :] if feature_major else degree[:, None]
-    dtype = total.dtype if dtype is None else dtype
     if jnp.issubdtype(total.dtype, jnp.integer):
         return jnp.floor_divide(total, degree).astype(dtype)
     # times the reciprocals, as XLA rewrites a division by a broadcast anyway (and as the
@@ -573,7 +572,8 @@ def _transpose(ct, *operands, index_tree, has_data, **params):
     if params["reduce"] == "mean":
         # the mean's rounding transposes into ct in the accumulation dtype, its division
         # into ct divided by the degrees; the rest is the accumulated sum's transpose
-        ct = _divide_by_degree(ct.astype(accumulation_dtype(ct.dtype)), s, None)
+        acc = accumulation_dtype(ct.dtype)
+        ct = _divide_by_degree(ct.astype(acc), s, acc)
         params = {**params, "reduce": "sum", "accumulate": True}
     flipped = params["data_transposed"]
     if ad.is_undefined_primal(x):

@@ -126,7 +126,7 @@ def _divided_sum(B, x, out_dtype):
 def _check_means(B, widths, rng, pinned=None):
     """The mean of ``B`` equals :func:`_divided_sum` (its sum on the same kernel) bit
     for bit, in three dtypes; both jitted afresh, traced with the unsorted kernel
-    ``pinned``. Returns how many means the pull divided itself."""
+    ``pinned``. Returns how many means the kernel (pull or push) divided itself."""
     fused_count = 0
     for dtype in DTYPES:
         for f in widths:

@@ -5,9 +5,9 @@
 ``jax.ffi.register_ffi_target`` for the ``cpu`` platform. The products split their
 work over XLA's intra-op thread pool, read 16-bit operands as they are and accumulate
 in float32; each takes ``reduce="sum"``, ``"max"`` or ``"min"`` (empty rows 0, NaN
-propagates), and the pull and the push ``"mean"`` too (:func:`divides_means`). Every row is reduced
-in one order fixed by the sizes, never by the thread count: results are bit-identical
-for any number of threads.
+propagates), and the pull and the push ``"mean"`` too (:func:`divides_means`). Every
+row is reduced in one order fixed by the sizes, never by the thread count: results are
+bit-identical for any number of threads.
 
 ``pull``
     ``y[r] = sum_j data[j] * x[cols[j]]`` over row ``r``'s entries in CSR order:
