@@ -30,3 +30,23 @@ def rng(request) -> np.random.Generator:
     seed = int(os.environ.get("JAXCSR_TEST_SEED", np.random.SeedSequence().entropy % 2**32))
     print(f"[{request.node.name}] JAXCSR_TEST_SEED={seed}")
     return np.random.default_rng(seed)
+
+
+# The longest tests (20-110 s each on the 2-core CI machine) go first: under `pytest -n 2`
+# they then start while the short ones fill the other worker, instead of one of them
+# running alone at the end.
+LONGEST_FIRST = (
+    "test_sanitizer_build_finds_nothing",
+    "test_sharded_products_on_forced_devices",
+    "test_every_kernel_meets_the_machine_code_requirements",
+    "test_instruction_sets_give_the_same_bits",
+    "test_allocator_study",
+    "test_quick_benchmark_writes_checked_results",
+    "test_gat_reaches_the_paper_on_cora",
+    "test_two_processes",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(getattr(item, "originalname", item.name), len(rank)))

@@ -112,13 +112,15 @@ def tolerance(dtype) -> float:
     return TOLERANCES.get(dtype, 0.0)
 
 
-def assert_close(actual, expected, dtype) -> None:
+def assert_close(actual, expected, dtype, err_msg: str = "") -> None:
     """Compares against a float64 reference, relative to the reference's scale."""
     actual = np.asarray(actual, dtype=np.float64)
     expected = np.asarray(expected, dtype=np.float64)
-    assert actual.shape == expected.shape, (actual.shape, expected.shape)
+    assert actual.shape == expected.shape, (actual.shape, expected.shape, err_msg)
     scale = max(1.0, float(np.abs(expected).max(initial=0.0)))
-    np.testing.assert_allclose(actual, expected, rtol=0, atol=tolerance(dtype) * scale)
+    np.testing.assert_allclose(
+        actual, expected, rtol=0, atol=tolerance(dtype) * scale, err_msg=err_msg
+    )
 
 
 def assert_sums_close(actual, expected, abs_sums, dtype) -> None:

@@ -94,17 +94,21 @@ def test_every_kernel_matches_float64(rng, kind):
     A, _ = _matrix(rng, kind)
     assert "native" in str(A.plan_info())
     reduces = ("sum", "max", "min", "mean")
-    fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
+    # every width in one program (a compile per view and dtype, not per width too)
+    fn = jax.jit(
+        lambda B, xs: [[jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces] for x in xs]
+    )
     for B in (A, A.T):
         for dtype in DTYPES:
-            for f in (1, 5, 12, 16, 44, 64, 72, 88, 136):
-                x = random_values(rng, (B.shape[1], f)).astype(dtype)
-                if B.dtype is not None:  # the reference reads the values as rounded
-                    B = B.with_data(B.data.astype(dtype))
-                for reduce, y in zip(reduces, fn(B, x), strict=True):
+            widths = (1, 5, 12, 16, 44, 64, 72, 88, 136)
+            xs = [random_values(rng, (B.shape[1], f)).astype(dtype) for f in widths]
+            if B.dtype is not None:  # the reference reads the values as rounded
+                B = B.with_data(B.data.astype(dtype))
+            for x, ys in zip(xs, fn(B, xs), strict=True):
+                for reduce, y in zip(reduces, ys, strict=True):
                     assert y.dtype == np.dtype(dtype)
                     want, _ = reduce_reference(B, np.asarray(x, np.float64), reduce)
-                    assert_close(y, want, dtype)
+                    assert_close(y, want, dtype, err_msg=f"{reduce}, {x.shape[1]} features")
     # the FFI call is what runs, on both views (one entry per row: the gather; rows of
     # 32 bytes, where the gather is native)
     for B in (A, A.T):
@@ -450,22 +454,28 @@ def test_one_piece_push_splits_features_over_threads(rng, dtype):
 
 def _push_threads_agree(rng, A, dtype, widths, inputs=None):
     """Sum, max and min of ``A @ x`` against float64, on all threads and one bit for bit.
-    Returns the outputs and the inputs (``inputs``: the ones to use)."""
+    Returns the outputs and the inputs (``inputs``: the ones to use). Every width in one
+    program (a compile per thread count, not per width too)."""
     reduces = ("sum", "max", "min")
-    fn = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
-    outputs, used = [], []
-    for i, f in enumerate(widths):
-        assert A.shape[1] * f >= SERIAL_WORK
-        x = random_values(rng, (A.shape[1], f)).astype(dtype) if inputs is None else inputs[i]
-        used.append(x)
-        with cpu.threads(1):  # traced inside the block
-            one = jax.jit(lambda B, x: [jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces])
-            ones = one(A, x)
-            assert "max_threads = 1" in one.lower(A, x).as_text()
-        every = fn(A, x)
-        for reduce, y, y1 in zip(reduces, every, ones, strict=True):
+
+    def products(B, xs):
+        return [[jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces] for x in xs]
+
+    used = [
+        random_values(rng, (A.shape[1], f)).astype(dtype) if inputs is None else inputs[i]
+        for i, f in enumerate(widths)
+    ]
+    assert all(A.shape[1] * f >= SERIAL_WORK for f in widths)
+    with cpu.threads(1):  # traced inside the block
+        one = jax.jit(lambda B, xs: products(B, xs))
+        ones = one(A, used)
+        assert "max_threads = 1" in one.lower(A, used).as_text()
+    every = jax.jit(products)(A, used)
+    outputs = []
+    for x, ys, y1s in zip(used, every, ones, strict=True):
+        for reduce, y, y1 in zip(reduces, ys, y1s, strict=True):
             want, _ = reduce_reference(A, np.asarray(x, np.float64), reduce)
-            assert_close(y, want, dtype)
+            assert_close(y, want, dtype, err_msg=f"{reduce}, {x.shape[1]} features")
             np.testing.assert_array_equal(np.asarray(y1), np.asarray(y))
             outputs.append(y)
     return outputs, used
@@ -658,18 +668,25 @@ def test_feature_major_products_match_float64(rng, kind):
     A, _ = _matrix(rng, kind)
     fwd = jax.jit(lambda B, v: v @ B)
     bwd = jax.jit(lambda B, v, ct: jax.vjp(lambda v: v @ B, v)[1](ct)[0])
+
+    @jax.jit
+    def both(B, vs, cts):  # every width in one program: a compile per view and dtype
+        return [
+            (v @ B, jax.vjp(lambda v: v @ B, v)[1](ct)[0]) for v, ct in zip(vs, cts, strict=True)
+        ]
+
     for B in (A, A.T):
         for dtype in DTYPES:
             if B.dtype is not None:  # the reference reads the values as rounded
                 B = B.with_data(B.data.astype(dtype))
             dense = dense_of(B)
-            for f in (1, 3, 33):
-                v = random_values(rng, (f, B.shape[0])).astype(dtype)
-                ct = random_values(rng, (f, B.shape[1])).astype(dtype)
-                out = fwd(B, v)
+            widths = (1, 3, 33)
+            vs = [random_values(rng, (f, B.shape[0])).astype(dtype) for f in widths]
+            cts = [random_values(rng, (f, B.shape[1])).astype(dtype) for f in widths]
+            for f, v, ct, (out, grad) in zip(widths, vs, cts, both(B, vs, cts), strict=True):
                 assert out.dtype == np.dtype(dtype) and out.shape == (f, B.shape[1])
-                assert_close(out, np.asarray(v, np.float64) @ dense, dtype)
-                assert_close(bwd(B, v, ct), np.asarray(ct, np.float64) @ dense.T, dtype)
+                assert_close(out, np.asarray(v, np.float64) @ dense, dtype, err_msg=f"{f}")
+                assert_close(grad, np.asarray(ct, np.float64) @ dense.T, dtype, err_msg=f"{f}")
         v, ct = jnp.ones((4, B.shape[0]), jnp.float32), jnp.ones((4, B.shape[1]), jnp.float32)
         for compiled in (fwd.lower(B, v).compile(), bwd.lower(B, v, ct).compile()):
             text = compiled.as_text()
@@ -817,28 +834,40 @@ def _ties_and_nans(rng, shape, dtype):
     return jnp.asarray(x, dtype)
 
 
-def _searches(view_of, x, reduce):
-    """The native and the fallback's three searches of the max/min, for a view."""
-    native, fallback = _jitted_searches(view_of, x, reduce)
-    return jax.tree.map(np.asarray, native), jax.tree.map(np.asarray, fallback)
+REDUCES = ("max", "min")
 
 
-@functools.partial(jax.jit, static_argnames="reduce")
-def _jitted_searches(view_of, x, reduce):
-    """:func:`_searches` in one program (a compile per view, dtype, width and reduce)."""
+def _searches(view_of, xs):
+    """The native and the fallback's searches of the max and the min of a view, for
+    each operand in ``xs``: ``[(reduce, native, fallback)]``, operand by operand."""
+    results = jax.tree.map(np.asarray, _jitted_searches(view_of, xs))
+    return [
+        (reduce, *found) for per_x in results for reduce, found in zip(REDUCES, per_x, strict=True)
+    ]
+
+
+@jax.jit
+def _jitted_searches(view_of, xs):
+    """:func:`_searches` in one program (a compile per view and dtype)."""
     view = view_of.structure
-    out = jaxcsr.matmul(view_of, x, reduce=reduce, impl="xla")
-    data = None if view_of.data is None else view_of.data.astype(x.dtype)
-    native, fallback = {}, {}
-    for name, kernel, xla_fn in (
-        ("positions", cpu.arg_positions, xla.extreme_positions),
-        ("columns", cpu.arg_columns, xla.extreme_columns),
-    ):
-        if name == "positions" and view.one_per_column:
-            continue  # searched as columns (the fallback's too)
-        native[name] = kernel(x, data, view, out)
-        fallback[name] = xla_fn(x, data, view, out)
-    return native, fallback
+    results = []
+    for x in xs:
+        per_x = []
+        for reduce in REDUCES:
+            out = jaxcsr.matmul(view_of, x, reduce=reduce, impl="xla")
+            data = None if view_of.data is None else view_of.data.astype(x.dtype)
+            native, fallback = {}, {}
+            for name, kernel, xla_fn in (
+                ("positions", cpu.arg_positions, xla.extreme_positions),
+                ("columns", cpu.arg_columns, xla.extreme_columns),
+            ):
+                if name == "positions" and view.one_per_column:
+                    continue  # searched as columns (the fallback's too)
+                native[name] = kernel(x, data, view, out)
+                fallback[name] = xla_fn(x, data, view, out)
+            per_x.append((native, fallback))
+        results.append(per_x)
+    return results
 
 
 @pytest.mark.parametrize("kind", KINDS)
@@ -851,12 +880,13 @@ def test_native_arg_search_matches_the_fallback(rng, kind):
         for dtype in DTYPES:
             if B.dtype is not None:
                 B = B.with_data(jnp.asarray(_ties_and_nans(rng, B.data.shape, dtype)))
-            for f in (1, 5, 19):  # 19: eight lanes at a time and a tail of three
-                x = _ties_and_nans(rng, (B.shape[1], f), dtype)
-                for reduce in ("max", "min"):
-                    native, fallback = _searches(B, x, reduce)
-                    for name in native:
-                        np.testing.assert_array_equal(native[name], fallback[name], err_msg=name)
+            # 19: eight lanes at a time and a tail of three
+            xs = [_ties_and_nans(rng, (B.shape[1], f), dtype) for f in (1, 5, 19)]
+            for reduce, native, fallback in _searches(B, xs):
+                for name in native:
+                    np.testing.assert_array_equal(
+                        native[name], fallback[name], err_msg=f"{reduce} {name}"
+                    )
         x = random_values(rng, (B.shape[1], 3)).astype(np.float32)
         fn = jax.jit(lambda B, x: jaxcsr.matmul(B, x, reduce="max", return_arg=True))
         if not B.structure.one_per_row:
@@ -919,15 +949,16 @@ def test_max_min_gradients_put_ct_at_the_attaining_columns(rng, dtype):
             # (values in CSR order are put in column order by a scatter of nnz values)
             assert A.data is not None or "scatter" not in text
             got = np.asarray(grad(x))
-            np.testing.assert_array_equal(got, np.asarray(grad_of(A, reduce, "xla", w)(x)))
+            want = jax.jit(grad_of(A, reduce, "xla", w))(x)
+            np.testing.assert_array_equal(got, np.asarray(want))
             with cpu.threads(1):  # traced inside the block
                 one = jax.jit(grad_of(A, reduce, "cpu", w))
                 assert "max_threads = 1" in one.lower(x).as_text()
                 np.testing.assert_array_equal(np.asarray(one(x)), got)
         xs = jnp.stack([x, -x])
-        batched = jax.vmap(grad_of(A, "max", "cpu", w))(xs)
+        batched = jax.jit(jax.vmap(grad_of(A, "max", "cpu", w)))(xs)
         for i in range(2):
-            want = grad_of(A, "max", "xla", w)(xs[i])
+            want = jax.jit(grad_of(A, "max", "xla", w))(xs[i])
             np.testing.assert_array_equal(np.asarray(batched[i]), np.asarray(want))
     ids = power_law_ids(rng, 5000, 300)
     ids[rng.random(5000) < 0.1] = 303  # outside the rows: dropped, no gradient
@@ -1400,10 +1431,14 @@ def _product_per_head(A, w, x):
     return jnp.stack([A.with_data(w[:, h]) @ x[:, h] for h in range(w.shape[1])], axis=1)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def _with_gradients(attend, A, w, x, ct):
-    out, vjp = jax.vjp(functools.partial(attend, A), w, x)
-    return (out, *vjp(ct))
+def _with_gradients(attend, A, cases):
+    """``attend`` and its gradients for each ``(w, x, ct)`` of ``cases`` (one program:
+    jit it)."""
+    results = []
+    for w, x, ct in cases:
+        out, vjp = jax.vjp(functools.partial(attend, A), w, x)
+        results.append((out, *vjp(ct)))
+    return results
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -1414,28 +1449,32 @@ def test_values_per_head_run_one_native_pull_with_the_per_head_bits(rng, dtype):
     (values read through the planned permutation) and sorted segment ids; 8 features a
     head (one vector register each), 16 over 9 heads (the values' gradient folds eight
     heads at a time: a group of one left) and 5 (the loop); forward and both
-    gradients."""
+    gradients. Every shape of a view in one program (a compile per view and way)."""
     G, _ = _matrix(rng, "general", m=300, n=1000, k=9000)
     ids = np.sort(power_law_ids(rng, 9000, 300))
     views = {"general": G, "transpose": G.T, "sorted ids": CSRMatrix.from_indices(ids, 300)}
     shapes = [(8, 8), (3, 8), (9, 16), (4, 5)]  # heads, features a head
-    for (name, A), (heads, width) in itertools.product(views.items(), shapes):
-        w = jnp.asarray(random_values(rng, (A.nnz, heads)), dtype)
-        x = jnp.asarray(random_values(rng, (A.shape[1], heads, width)), dtype)
-        ct = jnp.asarray(random_values(rng, (A.shape[0], heads, width)), dtype)
-        text = jax.jit(_fused_heads).lower(A, w, x).as_text()
-        assert text.count("jaxcsr_cpu_pull") == 1, name
-        got = _with_gradients(_fused_heads, A, w, x, ct)
+    for name, A in views.items():
+        cases = []
+        for heads, width in shapes:
+            w = jnp.asarray(random_values(rng, (A.nnz, heads)), dtype)
+            x = jnp.asarray(random_values(rng, (A.shape[1], heads, width)), dtype)
+            ct = jnp.asarray(random_values(rng, (A.shape[0], heads, width)), dtype)
+            text = jax.jit(_fused_heads).lower(A, w, x).as_text()
+            assert text.count("jaxcsr_cpu_pull") == 1, (name, heads, width)
+            cases.append((w, x, ct))
+        got = jax.jit(lambda A, c: _with_gradients(_fused_heads, A, c))(A, cases)
         with cpu.threads(1):  # a function traced inside the block: a new one
-            one_thread = jax.jit(lambda *a: _with_gradients.__wrapped__(_fused_heads, *a))(
-                A, w, x, ct
-            )
-        per_head = _with_gradients(_product_per_head, A, w, x, ct)
-        for a, b, c in zip(got, per_head, one_thread, strict=True):
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-            np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=name)
-        dense = dense_of(A.with_data(np.asarray(w[:, 1], np.float64)))
-        assert_close(got[0][:, 1], dense @ np.asarray(x[:, 1], np.float64), dtype)
+            one_thread = jax.jit(lambda A, c: _with_gradients(_fused_heads, A, c))(A, cases)
+        per_head = jax.jit(lambda A, c: _with_gradients(_product_per_head, A, c))(A, cases)
+        ways = zip(shapes, cases, got, per_head, one_thread, strict=True)
+        for shape, (w, x, _), *results in ways:
+            for a, b, c in zip(*results, strict=True):
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+                np.testing.assert_array_equal(np.asarray(a), np.asarray(c), err_msg=name)
+            dense = dense_of(A.with_data(np.asarray(w[:, 1], np.float64)))
+            want = dense @ np.asarray(x[:, 1], np.float64)
+            assert_close(results[0][0][:, 1], want, dtype, err_msg=f"{name} {shape}")
 
 
 def test_row_gathers_of_narrow_rows_run_xlas_gather(rng):

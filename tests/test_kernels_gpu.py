@@ -110,9 +110,9 @@ def _hub_ids(rng, size, num_rows, share):
 REDUCES = ["sum", "mean", "max", "min"]
 
 
-HUB_CASES = [(f, np.float32) for f in (1, 3, 16, 64, 130, 256)] + [
-    (f, dtype) for f in (3, 64, 256) for dtype in (jnp.bfloat16, np.float16)
-]
+HUB_CASES = [(f, np.float32) for f in (1, 3, 16, 64, 130)] + [
+    (f, dtype) for f in (3, 256) for dtype in (jnp.bfloat16, np.float16)
+]  # 256: two blocks of features (16-bit: what the float32 cases run at 130)
 
 
 @pytest.mark.parametrize("n_features,dtype", HUB_CASES)

@@ -43,15 +43,22 @@ def _assert_same_arrays(host, device, fields) -> None:
         np.testing.assert_array_equal(a, b, err_msg=name)
 
 
+@jax.jit
+def _device_kernel_plans(device):
+    """The GPU and TPU plans of a device structure, planned in one program."""
+    return gpu.plan(device), tpu.plan(device)
+
+
 def _assert_same_kernel_plans(host, device) -> None:
     """GPU lanes and TPU tile schedules of both views, element for element."""
-    hg, dg = gpu.plan_lanes(np.asarray(host.indptr)), gpu.plan(device).lanes
+    device_gpu, dt = _device_kernel_plans(device)
+    hg, dg = gpu.plan_lanes(np.asarray(host.indptr)), device_gpu.lanes
     _assert_same_arrays(hg, dg, LANE_FIELDS)
-    ht, dt = tpu.plan(host), tpu.plan(device)
+    ht = tpu.plan(host)
     _assert_same_arrays(ht.tiles, dt.tiles, TILE_FIELDS)
     np.testing.assert_array_equal(ht.rows, dt.rows)
     if host.t_indptr is not None:
-        _assert_same_arrays(gpu.plan_lanes(host.t_indptr), gpu.plan(device).t_lanes, LANE_FIELDS)
+        _assert_same_arrays(gpu.plan_lanes(host.t_indptr), device_gpu.t_lanes, LANE_FIELDS)
         _assert_same_arrays(ht.t_tiles, dt.t_tiles, TILE_FIELDS)
         np.testing.assert_array_equal(ht.t_rows, dt.t_rows)
 
@@ -90,7 +97,7 @@ HUB = (np.where(np.arange(5000) % 10 == 0, np.arange(5000) % 7, 3).astype(np.int
 def test_device_plan_of_segment_ids_equals_the_host_plan(case):
     ids, m = case
     host = plan.structure_from_segment_ids(ids, m)
-    device = device_plan.segment_structure(jnp.asarray(ids), m)
+    device = jax.jit(device_plan.segment_structure, static_argnums=1)(jnp.asarray(ids), m)
     _assert_same_arrays(host, device, ("indptr", "row_of_col"))
     # host stores no indices for sorted ids (0, 1, ..., K - 1): the same order
     host_order = np.arange(ids.size) if host.indices is None else host.indices
@@ -108,7 +115,8 @@ def test_device_plan_of_coordinates_equals_the_host_plan(case, n, seed):
     cols = np.random.default_rng(seed).integers(0, n, rows.size).astype(np.int32)
     indptr, indices, order = plan.coo_to_csr(rows, cols, (m, n))
     host = plan.general_structure(indptr, indices, (m, n))
-    device, device_order = device_plan.coo_structure(jnp.asarray(rows), jnp.asarray(cols), (m, n))
+    coo_structure = jax.jit(device_plan.coo_structure, static_argnums=2)
+    device, device_order = coo_structure(jnp.asarray(rows), jnp.asarray(cols), (m, n))
     _assert_same_arrays(host, device, ("indptr", "indices", "t_indptr", "t_indices", "t_perm"))
     np.testing.assert_array_equal(order, device_order)
     _assert_same_kernel_plans(host, device)
