@@ -84,6 +84,12 @@ KINDS = ["segment", "segment_sorted", "segment_weighted", "hub", "hub_sorted", "
 KINDS += ["empty_rows", "duplicates"]
 
 
+def _native_products(B, xs, reduces):
+    """``[[B @ x with reduce r, for r in reduces] for x in xs]`` on the native kernels:
+    jit it to check many widths in one program (a compile per program, not per width)."""
+    return [[jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces] for x in xs]
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_every_kernel_matches_float64(rng, kind):
     """Sum, max, min and mean (its sum carried in float32: 16-bit operands into float32
@@ -95,9 +101,7 @@ def test_every_kernel_matches_float64(rng, kind):
     assert "native" in str(A.plan_info())
     reduces = ("sum", "max", "min", "mean")
     # every width in one program (a compile per view and dtype, not per width too)
-    fn = jax.jit(
-        lambda B, xs: [[jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces] for x in xs]
-    )
+    fn = jax.jit(lambda B, xs: _native_products(B, xs, reduces))
     for B in (A, A.T):
         for dtype in DTYPES:
             widths = (1, 5, 12, 16, 44, 64, 72, 88, 136)
@@ -457,20 +461,16 @@ def _push_threads_agree(rng, A, dtype, widths, inputs=None):
     Returns the outputs and the inputs (``inputs``: the ones to use). Every width in one
     program (a compile per thread count, not per width too)."""
     reduces = ("sum", "max", "min")
-
-    def products(B, xs):
-        return [[jaxcsr.matmul(B, x, reduce=r, impl="cpu") for r in reduces] for x in xs]
-
     used = [
         random_values(rng, (A.shape[1], f)).astype(dtype) if inputs is None else inputs[i]
         for i, f in enumerate(widths)
     ]
     assert all(A.shape[1] * f >= SERIAL_WORK for f in widths)
     with cpu.threads(1):  # traced inside the block
-        one = jax.jit(lambda B, xs: products(B, xs))
+        one = jax.jit(lambda B, xs: _native_products(B, xs, reduces))
         ones = one(A, used)
         assert "max_threads = 1" in one.lower(A, used).as_text()
-    every = jax.jit(products)(A, used)
+    every = jax.jit(lambda B, xs: _native_products(B, xs, reduces))(A, used)
     outputs = []
     for x, ys, y1s in zip(used, every, ones, strict=True):
         for reduce, y, y1 in zip(reduces, ys, y1s, strict=True):
@@ -666,14 +666,18 @@ def test_feature_major_products_match_float64(rng, kind):
     three dtypes, widths 1, 3 and 33 (16 + 16 + 1), forward and the operand's gradient against
     float64; the compiled products hold no transpose."""
     A, _ = _matrix(rng, kind)
-    fwd = jax.jit(lambda B, v: v @ B)
-    bwd = jax.jit(lambda B, v, ct: jax.vjp(lambda v: v @ B, v)[1](ct)[0])
+
+    def forward(B, v):
+        return v @ B
+
+    def backward(B, v, ct):
+        return jax.vjp(functools.partial(forward, B), v)[1](ct)[0]
+
+    fwd, bwd = jax.jit(forward), jax.jit(backward)
 
     @jax.jit
     def both(B, vs, cts):  # every width in one program: a compile per view and dtype
-        return [
-            (v @ B, jax.vjp(lambda v: v @ B, v)[1](ct)[0]) for v, ct in zip(vs, cts, strict=True)
-        ]
+        return [(forward(B, v), backward(B, v, ct)) for v, ct in zip(vs, cts, strict=True)]
 
     for B in (A, A.T):
         for dtype in DTYPES:
@@ -852,10 +856,10 @@ def _jitted_searches(view_of, xs):
     view = view_of.structure
     results = []
     for x in xs:
+        data = None if view_of.data is None else view_of.data.astype(x.dtype)
         per_x = []
         for reduce in REDUCES:
             out = jaxcsr.matmul(view_of, x, reduce=reduce, impl="xla")
-            data = None if view_of.data is None else view_of.data.astype(x.dtype)
             native, fallback = {}, {}
             for name, kernel, xla_fn in (
                 ("positions", cpu.arg_positions, xla.extreme_positions),

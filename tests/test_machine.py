@@ -301,7 +301,7 @@ def test_an_invalid_file_is_measured_again(fresh, content):
     found = machine.profile()
     assert found.source == "measured"
     assert machine.stored(path) is not None  # replaced by the measurement
-    if not content.startswith("{not"):
+    if content != "{not json":
         return  # the command's reading of a replaced file: once (a process, 2 s)
     run = subprocess.run(
         [sys.executable, "-m", "jaxcsr.calibrate", "--show"],
